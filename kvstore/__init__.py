@@ -1,0 +1,33 @@
+"""kvstore: a tiered KV block store for disaggregated LLM serving.
+
+Usage::
+
+    import kvstore
+    from kvstore.keys import namespace_id, block_keys
+
+    ns = namespace_id({"model": "my-model", "dtype": "float32", "block_size": 16})
+    keys = block_keys(ns, token_ids, block_size=16)
+    with kvstore.connect("127.0.0.1:7700") as store:      # or connect(etcd=..., cluster=...)
+        store.put(keys, values)                            # batch-first
+        found = store.get(keys, buffers)                   # into caller-provided buffers
+        n = store.prefix_len(keys)                         # longest stored prefix
+
+This package imports neither the engine nor the router.
+"""
+
+from .errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+from .keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
+
+__all__ = [
+    "AuthError",
+    "BlockKey",
+    "CorruptBlock",
+    "KVStoreError",
+    "ProtocolError",
+    "StoreFull",
+    "StoreUnavailable",
+    "block_keys",
+    "extend_block_keys",
+    "namespace_id",
+    "salted",
+]

@@ -1,0 +1,76 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
+
+GOLDEN = json.loads(Path(__file__).with_name("golden_keys.json").read_text())
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda c: c["facts"]["model"] + str(c["block_size"]))
+def test_golden_vectors(case):
+    ns = salted(namespace_id(case["facts"]), case["salt"])
+    assert ns.hex() == case["namespace"]
+    assert [k.hex() for k in block_keys(ns, case["tokens"], case["block_size"])] == case["keys"]
+
+
+def test_only_full_blocks_get_keys():
+    ns = namespace_id({"m": 1})
+    assert len(block_keys(ns, list(range(15)), 16)) == 0
+    assert len(block_keys(ns, list(range(16)), 16)) == 1
+    assert len(block_keys(ns, list(range(33)), 16)) == 2
+
+
+def test_chain_depends_on_every_earlier_block_and_namespace():
+    ns = namespace_id({"m": 1})
+    a = block_keys(ns, [1] * 8 + [2] * 8, 8)
+    b = block_keys(ns, [9] * 8 + [2] * 8, 8)
+    assert a[1] != b[1]  # same block tokens, different parent
+    assert block_keys(namespace_id({"m": 2}), [1] * 8, 8)[0] != a[0]
+    assert block_keys(salted(ns, "tenant"), [1] * 8, 8)[0] != a[0]
+    assert salted(ns, None) == ns and salted(ns, "") == ns
+
+
+def test_extend_hashes_only_new_blocks_and_matches_full():
+    ns = namespace_id({"m": 1})
+    tokens = list(range(100))
+    keys = extend_block_keys(ns, [], tokens[:40], 16)
+    assert len(keys) == 2
+    keys = extend_block_keys(ns, keys, tokens, 16)
+    assert keys == block_keys(ns, tokens, 16)
+    with pytest.raises(ValueError):
+        extend_block_keys(ns, keys, tokens[:20], 16)
+
+
+def test_numpy_and_list_tokens_agree():
+    ns = namespace_id({"m": 1})
+    tokens = [5, 6, 7, 8]
+    assert block_keys(ns, tokens, 2) == block_keys(ns, np.array(tokens, dtype=np.int64), 2)
+
+
+def test_bad_input():
+    ns = namespace_id({"m": 1})
+    with pytest.raises(ValueError):
+        BlockKey(b"short")
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        block_keys(ns, [-1, 2], 2)
+    with pytest.raises(ValueError):
+        block_keys(ns, [1, 2], 0)
+
+
+def test_keys_identical_across_processes_with_different_hash_seeds():
+    code = (
+        "from kvstore.keys import *; ns = salted(namespace_id({'model': 'x', 'dtype': 'f32'}), 's');"
+        "print(','.join(k.hex() for k in block_keys(ns, list(range(64)), 16)))"
+    )
+    outs = set()
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                capture_output=True, text=True).stdout)
+    assert len(outs) == 1 and outs.pop().count(",") == 3
