@@ -1,0 +1,482 @@
+"""Request, stream and event types of the worker HTTP API (torch-free; shared with the router).
+
+The wire format is JSON; streams are NDJSON (one object a line). Every type has
+``to_json() -> dict`` (a JSON-ready dict, exactly what goes on the wire) and
+``from_json(obj) -> instance`` that validates and raises :class:`ApiValidationError` naming the
+offending field. Block keys travel as 32-character hex strings and are :class:`BlockKey` here.
+
+- ``POST /generate``: body :class:`GenerateRequest`; answer: NDJSON :class:`GenerateChunk`
+  lines, then one :class:`GenerateFinal` (``{"finished": true, ...}``). Use
+  :func:`parse_generate_line` to tell them apart.
+- ``GET /events?since=SEQ``: NDJSON :class:`BlockEvent` / :class:`LoadEvent` lines, numbered by
+  one sequence shared by both kinds (:func:`parse_event`). A reader that sees a gap resyncs from
+  ``GET /snapshot`` = :class:`Snapshot`.
+- ``GET /info``: :class:`WorkerInfo` (also the worker's etcd value, see docs/architecture.md).
+
+A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob], ...]}``
+(``top`` holds the ``sampling.logprobs`` most likely tokens, best first; empty when 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvstore.keys import BlockKey
+
+__all__ = [
+    "ApiValidationError",
+    "Phase",
+    "FinishReason",
+    "WorkerRole",
+    "SamplingParams",
+    "GenerateRequest",
+    "TokenLogprob",
+    "GenerateChunk",
+    "RequestStats",
+    "GenerateFinal",
+    "parse_generate_line",
+    "LoadFigures",
+    "BlockEvent",
+    "LoadEvent",
+    "WorkerEvent",
+    "parse_event",
+    "Snapshot",
+    "WorkerInfo",
+]
+
+Phase = Literal["prefill", "decode", "full"]
+FinishReason = Literal["stop", "length", "abort"]
+WorkerRole = Literal["prefill", "decode", "colocated"]
+PHASES: tuple[str, ...] = ("prefill", "decode", "full")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+MAX_LOGPROBS = 20
+
+
+class ApiValidationError(ValueError):
+    """A worker-API message is malformed. ``field`` names the offending field (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# --- field readers: each checks type and range and names the field on failure ---------------
+
+
+def _mapping(obj: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise ApiValidationError(name, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _int(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: int | None = None,
+         where: str = "") -> Any:
+    value = obj.get(key, default)
+    if value is ...:
+        raise ApiValidationError(where + key, "is required")
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiValidationError(where + key, f"expected an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ApiValidationError(where + key, f"must be >= {lo}, got {value}")
+    return value
+
+
+def _float(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: float | None = None,
+           hi: float | None = None, where: str = "") -> float:
+    value = obj.get(key, default)
+    if value is ...:
+        raise ApiValidationError(where + key, "is required")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiValidationError(where + key, f"expected a finite number, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ApiValidationError(where + key, f"must be in [{lo}, {hi}], got {value}")
+    return float(value)
+
+
+def _bool(obj: Mapping[str, Any], key: str, default: bool, where: str = "") -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiValidationError(where + key, f"expected true or false, got {value!r}")
+    return value
+
+
+def _str(obj: Mapping[str, Any], key: str, default: Any = ..., *,
+         choices: Sequence[str] | None = None, where: str = "") -> Any:
+    value = obj.get(key, default)
+    if value is ...:
+        raise ApiValidationError(where + key, "is required")
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str):
+        raise ApiValidationError(where + key, f"expected a string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ApiValidationError(where + key, f"must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _token_ids(obj: Mapping[str, Any], key: str, default: Any = ..., where: str = "") -> list[int]:
+    value = obj.get(key, default)
+    if value is ...:
+        raise ApiValidationError(where + key, "is required")
+    if not isinstance(value, list) or not all(
+        type(t) is int and 0 <= t < 2**32 for t in value
+    ):
+        raise ApiValidationError(where + key, "expected a list of token ids (integers in [0, 2**32))")
+    return value
+
+
+def _keys(obj: Mapping[str, Any], key: str, where: str = "") -> list[BlockKey]:
+    value = obj.get(key)
+    if not isinstance(value, list):
+        raise ApiValidationError(where + key, "expected a list of hex block keys")
+    try:
+        return [BlockKey(bytes.fromhex(k)) for k in value]
+    except (TypeError, ValueError) as exc:
+        raise ApiValidationError(where + key, f"bad block key: {exc}") from None
+
+
+# --- POST /generate --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` is greedy. ``top_k == 0`` disables top-k.
+
+    Randomness is a function of ``(seed, position)``, so a request continued on another worker
+    samples the same tokens; ``seed=None`` lets the worker pick one. ``logprobs``: None for no
+    logprobs, otherwise the number of top alternatives to report per token (0..20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Validate constructed instances exactly as parsed ones are.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        SamplingParams.from_json(self.to_json())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SamplingParams:
+        w = "sampling."
+        obj = _mapping(obj, "sampling")
+        logprobs = _int(obj, "logprobs", None, lo=0, where=w)
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ApiValidationError(w + "logprobs", f"must be <= {MAX_LOGPROBS}, got {logprobs}")
+        params = object.__new__(cls)
+        for name, value in (
+            ("max_tokens", _int(obj, "max_tokens", 16, lo=1, where=w)),
+            ("temperature", _float(obj, "temperature", 1.0, lo=0.0, where=w)),
+            ("top_p", _float(obj, "top_p", 1.0, lo=0.0, hi=1.0, where=w)),
+            ("top_k", _int(obj, "top_k", 0, lo=0, where=w)),
+            ("seed", _int(obj, "seed", None, where=w)),
+            ("stop_token_ids", tuple(_token_ids(obj, "stop_token_ids", [], where=w))),
+            ("ignore_eos", _bool(obj, "ignore_eos", False, where=w)),
+            ("logprobs", logprobs),
+        ):
+            object.__setattr__(params, name, value)
+        if params.top_p == 0.0:
+            raise ApiValidationError(w + "top_p", "must be > 0")
+        return params
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """``POST /generate``. ``output_token_ids`` are tokens already produced elsewhere (a
+    prefill→decode handoff or a resume after a failure); the worker continues after them and
+    counts them against ``sampling.max_tokens``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    phase: Phase = "full"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": self.output_token_ids, "sampling": self.sampling.to_json(),
+            "cache_salt": self.cache_salt, "phase": self.phase,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateRequest:
+        obj = _mapping(obj, "body")
+        request_id = _str(obj, "request_id")
+        if not request_id:
+            raise ApiValidationError("request_id", "must not be empty")
+        prompt = _token_ids(obj, "prompt_token_ids")
+        if not prompt:
+            raise ApiValidationError("prompt_token_ids", "must not be empty")
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=SamplingParams.from_json(obj.get("sampling", {})),
+            output_token_ids=_token_ids(obj, "output_token_ids", []),
+            cache_salt=_str(obj, "cache_salt", None),
+            phase=_str(obj, "phase", "full", choices=PHASES),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives as ``(token_id, logprob)``."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"logprob": self.logprob, "top": [[t, lp] for t, lp in self.top]}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TokenLogprob:
+        obj = _mapping(obj, "logprobs[]")
+        lp = obj.get("logprob")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+            raise ApiValidationError("logprobs[].logprob", f"expected a number, got {lp!r}")
+        try:
+            top = tuple((int(t), float(v)) for t, v in obj.get("top", ()))
+        except (TypeError, ValueError):
+            raise ApiValidationError("logprobs[].top", "expected [[token_id, logprob], ...]") from None
+        return cls(float(lp), top)
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """One stream line: new tokens (usually one), with their logprobs when asked for."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"token_ids": self.token_ids}
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_json() for lp in self.logprobs]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateChunk:
+        obj = _mapping(obj, "chunk")
+        ids = _token_ids(obj, "token_ids")
+        raw = obj.get("logprobs")
+        if raw is None:
+            return cls(ids)
+        if not isinstance(raw, list) or len(raw) != len(ids):
+            raise ApiValidationError("logprobs", "expected one entry per token id")
+        return cls(ids, [TokenLogprob.from_json(x) for x in raw])
+
+
+_STAT_INTS = ("computed_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
+              "kv_bytes_loaded", "kv_bytes_saved")
+_STAT_FLOATS = ("store_load_s", "store_save_s", "queue_s", "prefill_s", "first_token_s")
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Per-request figures a worker reports in its final line (seconds and bytes)."""
+
+    computed_prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    store_load_s: float = 0.0
+    store_save_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _STAT_INTS + _STAT_FLOATS}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RequestStats:
+        obj = _mapping(obj, "stats")
+        kwargs: dict[str, Any] = {n: _int(obj, n, 0, lo=0, where="stats.") for n in _STAT_INTS}
+        kwargs.update({n: _float(obj, n, 0.0, lo=0.0, where="stats.") for n in _STAT_FLOATS})
+        return cls(**kwargs)
+
+
+@dataclass(slots=True)
+class GenerateFinal:
+    """The last stream line: why the request ended, and its stats."""
+
+    finish_reason: FinishReason
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateFinal:
+        obj = _mapping(obj, "final")
+        return cls(
+            finish_reason=_str(obj, "finish_reason", choices=FINISH_REASONS),
+            stats=RequestStats.from_json(obj.get("stats", {})),
+        )
+
+
+def parse_generate_line(obj: Any) -> GenerateChunk | GenerateFinal:
+    """One decoded NDJSON line of a ``/generate`` stream."""
+    obj = _mapping(obj, "line")
+    return GenerateFinal.from_json(obj) if obj.get("finished") else GenerateChunk.from_json(obj)
+
+
+# --- GET /events, GET /snapshot --------------------------------------------------------------
+
+_LOAD_INTS = ("waiting", "running", "kv_free_blocks", "kv_total_blocks")
+_LOAD_RATES = ("prefill_tokens_per_s", "load_tokens_per_s", "decode_tokens_per_s")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFigures:
+    """A worker's load. Rates are the worker's recent measurements; 0.0 means "not measured
+    yet" (no prefill, store load or decode has happened), not "infinitely slow"."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    prefill_tokens_per_s: float = 0.0
+    load_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _LOAD_INTS + _LOAD_RATES}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "load.") -> LoadFigures:
+        obj = _mapping(obj, where.rstrip("."))
+        kwargs: dict[str, Any] = {n: _int(obj, n, 0, lo=0, where=where) for n in _LOAD_INTS}
+        kwargs.update({n: _float(obj, n, 0.0, lo=0.0, where=where) for n in _LOAD_RATES})
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """Blocks entered (``stored``) or left (``removed``) the worker's device cache."""
+
+    seq: int
+    type: Literal["stored", "removed"]
+    keys: tuple[BlockKey, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "type": self.type, "keys": [k.hex() for k in self.keys]}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEvent:
+    """A load report; it takes a sequence number like the block events."""
+
+    seq: int
+    load: LoadFigures
+
+    type: Literal["load"] = "load"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "type": "load", **self.load.to_json()}
+
+
+WorkerEvent = BlockEvent | LoadEvent
+
+
+def parse_event(obj: Any) -> WorkerEvent:
+    """One decoded NDJSON line of ``GET /events``."""
+    obj = _mapping(obj, "event")
+    seq = _int(obj, "seq", lo=0)
+    kind = _str(obj, "type", choices=("stored", "removed", "load"))
+    if kind == "load":
+        return LoadEvent(seq, LoadFigures.from_json(obj, where=""))
+    return BlockEvent(seq, kind, tuple(_keys(obj, "keys")))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """``GET /snapshot``: every block in the device cache and the load as of event ``seq``;
+    the events that follow it start at ``seq + 1``."""
+
+    seq: int
+    blocks: tuple[BlockKey, ...]
+    load: LoadFigures
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "blocks": [k.hex() for k in self.blocks], "load": self.load.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Snapshot:
+        obj = _mapping(obj, "snapshot")
+        return cls(_int(obj, "seq", lo=0), tuple(_keys(obj, "blocks")),
+                   LoadFigures.from_json(obj.get("load", {})))
+
+
+# --- GET /info (and the worker's etcd value) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker is. Its etcd value under ``/{cluster}/workers/{worker_id}`` is
+    ``to_json()`` without ``worker_id`` (the key names it)."""
+
+    worker_id: str
+    address: str                # "http://host:port"
+    role: WorkerRole
+    model: str
+    namespace: BlockKey         # the model's namespace id (hex on the wire)
+    block_size: int
+    kv_capacity_blocks: int
+    max_model_len: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "address": self.address, "role": self.role,
+            "model": self.model, "namespace": self.namespace.hex(), "block_size": self.block_size,
+            "kv_capacity_blocks": self.kv_capacity_blocks, "max_model_len": self.max_model_len,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, worker_id: str | None = None) -> WorkerInfo:
+        """Parse ``/info`` or an etcd value (pass ``worker_id`` from the key then)."""
+        obj = _mapping(obj, "worker")
+        wid = worker_id if worker_id is not None else _str(obj, "worker_id")
+        try:
+            namespace = BlockKey.from_hex(_str(obj, "namespace"))
+        except ValueError as exc:
+            raise ApiValidationError("namespace", f"expected 32 hex digits: {exc}") from None
+        address = _str(obj, "address")
+        if not address.startswith(("http://", "https://")):
+            address = "http://" + address
+        return cls(
+            worker_id=wid, address=address.rstrip("/"),
+            role=_str(obj, "role", choices=WORKER_ROLES), model=_str(obj, "model"),
+            namespace=namespace, block_size=_int(obj, "block_size", lo=1),
+            kv_capacity_blocks=_int(obj, "kv_capacity_blocks", lo=0),
+            max_model_len=_int(obj, "max_model_len", lo=1),
+        )
+
+    @property
+    def can_prefill(self) -> bool:
+        """Every worker can prefill; the role says what the router sends it."""
+        return self.role in ("prefill", "colocated")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "colocated")
