@@ -1,0 +1,142 @@
+"""One structured log record per request: its timeline, where its KV came from, what moved.
+
+Every request the router serves leaves exactly one JSON object (one line) when it ends,
+however it ends (finished, stopped by a stop string, aborted by the client, failed). The
+benchmarks read these lines, so the field names below are a contract:
+
+``request_id``, ``mode`` (``disaggregated`` | ``colocated`` | ``auto-local`` | ``auto-remote``),
+``arrival_unix`` (wall clock at arrival), ``timeline`` (seconds since arrival, monotonic clock):
+``queued`` (0.0), ``prefill_start``, ``prefill_end``, ``transfer_start`` (decode request sent),
+``first_token`` (first token handed to the client), ``decode_first`` (first token from the
+decode worker), ``decode_end``, ``end``; absent when a phase did not happen.
+``prompt_tokens``, ``output_tokens``, ``finish_reason``, ``status`` (``ok`` | ``aborted`` |
+``error``), ``error``, ``prefill_worker``, ``decode_workers`` (in order: more than one after a
+resume), ``prefill_retries``, ``decode_resumes``, ``tokens``: ``computed`` / ``device_hit`` /
+``store_hit`` prompt tokens of the prefill phase and ``decode_computed`` / ``decode_store_hit``
+of the decode phase(s), ``kv_bytes``: ``saved`` (prefill to store) and ``loaded`` (store to
+decode), ``phases`` (each worker phase's raw stats, in order).
+
+Records go to the ``kvrouter.requests`` logger (the application decides its handlers) and,
+when a path is given, are appended to a JSONL file. The sink never raises into the serving
+path: a log that cannot be written is reported once on the module logger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+__all__ = ["RequestRecord", "RequestLog", "PhaseStats"]
+
+_logger = logging.getLogger(__name__)
+records_logger = logging.getLogger("kvrouter.requests")
+
+
+@dataclass
+class PhaseStats:
+    """One worker phase of a request (a prefill, a decode, a resumed decode, a full run)."""
+
+    worker_id: str
+    phase: str                       # "prefill" | "decode" | "full"
+    ok: bool = True
+    error: str | None = None
+    output_tokens: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)   # the worker's final "stats" object
+
+
+@dataclass
+class RequestRecord:
+    """The mutable record of one request while it runs; ``to_json`` when it ends."""
+
+    request_id: str
+    mode: str = "disaggregated"
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    status: str = "ok"
+    error: str | None = None
+    prefill_worker: str | None = None
+    decode_workers: list[str] = field(default_factory=list)
+    prefill_retries: int = 0
+    decode_resumes: int = 0
+    phases: list[PhaseStats] = field(default_factory=list)
+    arrival_unix: float = field(default_factory=time.time)
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+    timeline: dict[str, float] = field(default_factory=lambda: {"queued": 0.0})
+
+    def mark(self, event: str, *, once: bool = True) -> None:
+        """Record ``event`` at the current time (the first occurrence only, unless ``once=False``)."""
+        if once and event in self.timeline:
+            return
+        self.timeline[event] = round(time.monotonic() - self._t0, 6)
+
+    def since_arrival(self) -> float:
+        return time.monotonic() - self._t0
+
+    def add_phase(self, phase: PhaseStats) -> None:
+        self.phases.append(phase)
+
+    def summary(self) -> dict[str, Any]:
+        """Token and byte totals over the phases, by where the prompt's KV came from."""
+        tokens = {"computed": 0, "device_hit": 0, "store_hit": 0,
+                  "decode_computed": 0, "decode_store_hit": 0}
+        kv_bytes = {"saved": 0, "loaded": 0}
+        for p in self.phases:
+            s = p.stats
+            if p.phase in ("prefill", "full"):
+                tokens["computed"] += int(s.get("computed_prompt_tokens", 0))
+                tokens["device_hit"] += int(s.get("device_hit_tokens", 0))
+                tokens["store_hit"] += int(s.get("store_hit_tokens", 0))
+            else:
+                tokens["decode_computed"] += int(s.get("computed_prompt_tokens", 0))
+                tokens["decode_store_hit"] += int(s.get("store_hit_tokens", 0))
+                tokens["device_hit"] += int(s.get("device_hit_tokens", 0))
+            kv_bytes["saved"] += int(s.get("kv_bytes_saved", 0))
+            kv_bytes["loaded"] += int(s.get("kv_bytes_loaded", 0))
+        return {"tokens": tokens, "kv_bytes": kv_bytes}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        out.update(self.summary())
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), default=str)
+
+
+class RequestLog:
+    """Where finished ``RequestRecord`` s go: the ``kvrouter.requests`` logger and a JSONL file.
+
+    ``path=None`` writes to the logger only. Thread-safe; ``close()`` flushes the file.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        self._failed = False
+
+    def emit(self, record: RequestRecord) -> None:
+        line = record.to_json()
+        records_logger.info(line)
+        if self.path is None or self._failed:
+            return
+        try:
+            with self._lock:
+                if self._file is None:
+                    self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+                self._file.write(line + "\n")
+        except OSError as exc:
+            self._failed = True
+            _logger.error("request log %s cannot be written (%s); records go to the logger only",
+                          self.path, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
