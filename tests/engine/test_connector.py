@@ -1,0 +1,182 @@
+"""KVStoreConnector data path: encode/save, lookup, verified load, corrupt and missing blocks.
+
+The store here is a small in-memory stand-in with the client's batch API (the connector is
+the unit under test); the process-level path against a real daemon is in test_disagg.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstore import codec
+from kvstore.errors import StoreUnavailable
+from kvstore.keys import block_keys, namespace_id
+
+from engine.connector import KVStoreConnector
+
+torch.set_num_threads(1)
+
+L, BS, H, D, NB = 3, 4, 2, 8, 16
+
+
+class DictStore:
+    """Client stand-in: put/get/get_bytes/prefix_len over a dict, thread-safe."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.lock = threading.Lock()
+        self.puts = 0
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreUnavailable("test store is down")
+
+    def put(self, keys, values) -> None:
+        self._check()
+        with self.lock:
+            self.puts += 1
+            for k, v in zip(keys, values, strict=True):
+                self.data[bytes(k)] = bytes(memoryview(v).cast("B"))
+
+    def get(self, keys, buffers) -> list[bool]:
+        self._check()
+        out = []
+        for k, b in zip(keys, buffers, strict=True):
+            v = self.data.get(bytes(k))
+            if v is not None:
+                memoryview(b).cast("B")[: len(v)] = v
+            out.append(v is not None)
+        return out
+
+    def prefix_len(self, keys) -> int:
+        self._check()
+        n = 0
+        for k in keys:
+            if bytes(k) not in self.data:
+                break
+            n += 1
+        return n
+
+
+def make_cache(dtype=torch.float32, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((L, 2, NB, BS, H, D), generator=g).to(dtype)
+
+
+@pytest.fixture
+def keys():
+    ns = namespace_id({"test": "connector"})
+    return block_keys(ns, list(range(5 * BS + 2)), BS)  # 5 full blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_then_load_round_trips_into_other_blocks(keys, dtype):
+    store = DictStore()
+    src, dst = make_cache(dtype, 0), make_cache(dtype, 1)
+    saver, loader = KVStoreConnector(store, src), KVStoreConnector(store, dst)
+    saver.save(keys[:3], [7, 2, 9], request_id="r")
+    saver.save(keys[3:], [0, 15], request_id="r")
+    result = saver.flush("r").result(timeout=10)
+    assert result.saved_blocks == 5 and result.failed_blocks == 0
+    assert result.bytes == 5 * L * 2 * BS * H * D * src.element_size()
+
+    # The stored value is the codec encoding of the canonical layout.
+    header, payload = codec.decode(store.data[bytes(keys[0])], expected_key=keys[0])
+    assert header.shape == (L, 2, BS, H, D) and header.dtype == str(dtype).split(".")[1]
+    assert bytes(payload) == src[:, :, 7].contiguous().view(torch.uint8).numpy().tobytes()
+
+    assert loader.lookup(keys) == 5
+    res = loader.load(keys, [1, 3, 4, 5, 6])
+    assert (res.loaded, res.missing, res.corrupt) == (5, 0, 0)
+    for src_id, dst_id in zip([7, 2, 9, 0, 15], [1, 3, 4, 5, 6]):
+        assert torch.equal(dst[:, :, dst_id], src[:, :, src_id])
+    assert loader.stats.loaded_blocks == 5 and loader.stats.loaded_bytes == result.bytes
+    saver.close()
+
+
+def test_saved_blocks_are_a_copy_taken_at_save_time(keys):
+    store = DictStore()
+    cache = make_cache()
+    before = cache[:, :, 4].clone()
+    conn = KVStoreConnector(store, cache)
+    conn.save(keys[:1], [4], request_id="x")
+    cache[:, :, 4] = 0.0  # the engine reuses the block right away
+    assert conn.flush("x").result(timeout=10).saved_blocks == 1
+    _, payload = codec.decode(store.data[bytes(keys[0])], expected_key=keys[0])
+    assert bytes(payload) == before.contiguous().numpy().tobytes()
+    conn.close()
+
+
+def test_corrupt_block_stops_the_load_and_is_counted(keys):
+    store = DictStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    saver = KVStoreConnector(store, src)
+    saver.save(keys, [0, 1, 2, 3, 4], request_id="s")
+    saver.flush("s").result(timeout=10)
+    conn = KVStoreConnector(store, dst)
+    assert conn.flush().done()  # no saver thread on this connector: resolves at once
+
+    bad = bytearray(store.data[bytes(keys[2])])
+    bad[-1] ^= 0xFF  # flip a payload bit
+    store.data[bytes(keys[2])] = bytes(bad)
+    untouched = dst[:, :, 10:16].clone()
+    res = conn.load(keys, [10, 11, 12, 13, 14])
+    assert (res.loaded, res.corrupt, res.missing) == (2, 1, 0)
+    assert torch.equal(dst[:, :, 10], src[:, :, 0]) and torch.equal(dst[:, :, 11], src[:, :, 1])
+    # The corrupt block and everything after it never reached the cache.
+    assert torch.equal(dst[:, :, 12:16], untouched[:, :, 2:])
+    assert conn.stats.corrupt_blocks == 1
+
+
+def test_misfiled_block_is_corrupt(keys):
+    store = DictStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    s = KVStoreConnector(store, src)
+    s.save(keys[:2], [0, 1], request_id="s")
+    s.flush("s").result(timeout=10)
+    store.data[bytes(keys[0])] = store.data[bytes(keys[1])]  # right bytes, wrong key
+    res = KVStoreConnector(store, dst).load(keys[:2], [0, 1])
+    assert res.loaded == 0 and res.corrupt == 1
+
+
+def test_missing_block_and_unreachable_store_are_misses(keys):
+    store = DictStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    s = KVStoreConnector(store, src)
+    s.save(keys[:3], [0, 1, 2], request_id="s")
+    s.flush("s").result(timeout=10)
+    del store.data[bytes(keys[1])]
+    conn = KVStoreConnector(store, dst)
+    assert conn.lookup(keys) == 1
+    res = conn.load(keys[:3], [5, 6, 7])
+    assert (res.loaded, res.missing) == (1, 1)
+
+    store.down = True
+    assert conn.lookup(keys) == 0
+    assert conn.load(keys[:1], [8]).loaded == 0
+    s.save(keys[:1], [0], request_id="t")
+    assert s.flush("t").result(timeout=10).failed_blocks == 1
+    assert s.stats.save_failed_blocks == 1 and conn.stats.store_errors == 2
+    s.close()
+
+
+def test_saves_coalesce_into_batched_puts(keys):
+    store = DictStore()
+    cache = make_cache()
+    block_bytes = codec.encoded_size("float32", (L, 2, BS, H, D))
+    conn = KVStoreConnector(store, cache, max_batch_bytes=2 * block_bytes)
+    conn.save(keys, [0, 1, 2, 3, 4], request_id="r")  # 5 blocks, batches of 2
+    assert conn.flush("r").result(timeout=10).saved_blocks == 5
+    assert store.puts == 3 and len(store.data) == 5
+    conn.close()
+
+
+def test_bad_cache_shape_is_rejected():
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        KVStoreConnector(DictStore(), torch.zeros(2, 2, 4))
+    with pytest.raises(ValueError, match="no block codec"):
+        KVStoreConnector(DictStore(), torch.zeros((1, 2, 1, 1, 1, 1), dtype=torch.int64))
