@@ -1,0 +1,76 @@
+"""The daemon's configuration: one typed object, validated once, defaults in one place.
+
+The CLI (``kvstore serve``) and the environment (``KVSTORE_AUTH_TOKEN``) both feed
+``ServerConfig``; nothing else sets daemon options.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["ServerConfig", "parse_size", "format_size", "DEFAULT_PORT"]
+
+DEFAULT_PORT = 7700
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``512M``, ``4G``, ``1.5GiB``, ``65536`` (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 512M, 4G or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: int) -> str:
+    for unit in ("T", "G", "M", "K"):
+        if n >= _UNITS[unit] and n % (_UNITS[unit] // 1024 or 1) == 0:
+            return f"{n / _UNITS[unit]:.1f}{unit}iB"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``kvstore serve`` takes.
+
+    ``port`` 0 binds an ephemeral port (the readiness line reports it). ``advertise`` is the
+    address registered in etcd; by default ``host:port``, or this machine's hostname when
+    bound to a wildcard address. ``io_timeout`` bounds how long a half-received frame may
+    stall before its connection is dropped; ``drain_timeout`` how long SIGTERM waits for
+    in-flight operations.
+    """
+
+    memory_bytes: int
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    ssd_path: str | None = None
+    ssd_capacity_bytes: int = 0
+    gpu_memory_bytes: int = 0
+    etcd: str | None = None
+    cluster: str = "kvstore"
+    auth_token: str | None = None
+    metrics_port: int | None = None
+    advertise: str | None = None
+    registration_ttl: float = 5.0
+    io_timeout: float = 30.0
+    drain_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ValueError(f"--memory must be positive, got {self.memory_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.ssd_capacity_bytes < 0 or self.gpu_memory_bytes < 0:
+            raise ValueError("--ssd-capacity and --gpu-memory must not be negative")
+        if self.ssd_capacity_bytes and not self.ssd_path:
+            raise ValueError("--ssd-capacity needs --ssd-path (the LMDB directory)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if not self.cluster or "/" in self.cluster:
+            raise ValueError(f"--cluster must be a non-empty name without '/', got {self.cluster!r}")
+        if self.io_timeout <= 0 or self.drain_timeout < 0:
+            raise ValueError("io_timeout must be positive and drain_timeout non-negative")

@@ -1,0 +1,109 @@
+"""Prometheus metrics of the daemon, on their own ``CollectorRegistry`` (no global state).
+
+Exported (all prefixed ``kvstore_``):
+
+- ``op_seconds{op}``: histogram of request latency per protocol op, measured in the daemon
+  from a request's meta being read to its response being sent.
+- ``bytes_total{direction="in"|"out", path="tcp"|"shm"}``: KV bytes put into (in) and got
+  out of (out) the store; on the shared-memory path counted at COMMIT and PIN.
+- ``errors_total{code}``: error answers per error code.
+- From ``BlockStore.stats()`` at scrape time: ``hits_total{tier}``, ``misses_total``,
+  ``evictions_total``, ``demotions_total``, ``promotions_total``, ``used_bytes{tier}``,
+  ``capacity_bytes{tier}``, ``blocks{tier}`` — whichever of these the store reports.
+- ``connections``: open client connections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+__all__ = ["StoreMetrics"]
+
+_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TIERS = ("host", "ssd", "gpu")
+
+
+def _as_dict(stats: Any) -> dict[str, Any]:
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+
+
+class _StoreCollector(Collector):
+    """Reads the store's counters when Prometheus scrapes, so they cannot drift."""
+
+    def __init__(self, stats: Callable[[], Any], connections: Callable[[], int]) -> None:
+        self._stats = stats
+        self._connections = connections
+
+    def collect(self) -> Iterable[Any]:
+        s = _as_dict(self._stats())
+        tiers = s.get("tiers") or {}
+        families = {
+            "hits": CounterMetricFamily("kvstore_hits", "Blocks found, by tier", labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("kvstore_used_bytes", "Bytes held, by tier", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily("kvstore_capacity_bytes", "Capacity, by tier", labels=["tier"]),
+            "blocks": GaugeMetricFamily("kvstore_blocks", "Blocks held, by tier", labels=["tier"]),
+        }
+        for tier in _TIERS:
+            t = tiers.get(tier)
+            if t is None:
+                continue
+            t = _as_dict(t)
+            for name, fam in families.items():
+                if name in t:
+                    fam.add_metric([tier], float(t[name]))
+        yield from families.values()
+        for name, doc in (("misses", "Lookups by get that found no tier holding the block"),
+                          ("evictions", "Blocks dropped from the store"),
+                          ("demotions", "Blocks moved from host memory to SSD"),
+                          ("promotions", "Blocks moved from SSD to host memory on a hit")):
+            if name in s:
+                yield CounterMetricFamily(f"kvstore_{name}", doc, value=float(s[name]))
+        yield GaugeMetricFamily("kvstore_connections", "Open client connections",
+                                value=float(self._connections()))
+
+
+class StoreMetrics:
+    """The daemon's metrics. ``observe``/``transferred``/``error`` are called by the server;
+    ``serve(port)`` exposes ``/metrics`` over HTTP until ``close()``."""
+
+    def __init__(self, stats: Callable[[], Any], connections: Callable[[], int] = lambda: 0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._latency = Histogram("kvstore_op_seconds", "Request latency per protocol op",
+                                  ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._bytes = Counter("kvstore_bytes", "KV bytes moved into (in) and out of (out) the store",
+                              ["direction", "path"], registry=self.registry)
+        self._errors = Counter("kvstore_errors", "Error answers per error code", ["code"],
+                               registry=self.registry)
+        self.registry.register(_StoreCollector(stats, connections))
+        self._httpd = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def observe(self, op: str, seconds: float) -> None:
+        self._latency.labels(op).observe(seconds)
+
+    def transferred(self, direction: str, path: str, nbytes: int) -> None:
+        self._bytes.labels(direction, path).inc(nbytes)
+
+    def error(self, code: str) -> None:
+        self._errors.labels(code).inc()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP exporter; return the bound port (``port`` 0 picks a free one)."""
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._httpd.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
