@@ -425,8 +425,10 @@ class Watch:
             if self.closed:
                 return
             raise self._broken("truncated headers")
-        if status.split(b" ")[1:2] != [b"200"]:
-            raise EtcdError(f"etcd watch at {self._endpoint} refused: {status.decode('latin-1')}")
+        code = status.split(b" ")[1:2]
+        if code != [b"200"]:
+            why = f"etcd watch at {self._endpoint} refused: {status.decode('latin-1')}"
+            raise EtcdUnavailable(why) if code[:1] == [b"503"] else EtcdError(why)
         chunked = "chunked" in headers.get("transfer-encoding", "")
         pending = bytearray()
         while not self.closed:
