@@ -177,7 +177,9 @@ class Scheduler:
             num_external = max(0, min(num_external // bs * bs, max_hit_blocks * bs - num_device))
         num_new = seq.num_tokens - num_device - num_external
         if num_new > budget:
-            if not self.config.enable_chunked_prefill:
+            # Unchunked, a prompt waits for a step it fits whole; a preempted sequence's
+            # recompute (prompt + outputs) may exceed the budget and is chunked regardless.
+            if not self.config.enable_chunked_prefill and seq.stats.num_preemptions == 0:
                 return None
             num_new = budget
         need = bm.num_blocks_needed(num_device + num_external + num_new, len(hits))
