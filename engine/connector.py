@@ -1,25 +1,30 @@
 """The kvstore connector: moves full KV blocks between the engine's paged cache and the store.
 
-Contract:
+Data path (keys and block ids; usable without an engine):
 
 - A block's value is ``kvstore.codec``'s encoding of ``kv_cache[:, :, block_id]`` in the
   canonical layout ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (C-contiguous,
   raw bytes of the cache dtype, bf16 included), filed under the block's ``BlockKey``.
 - ``lookup(keys)`` is side-effect free: how many leading ``keys`` the store holds. A store
-  that cannot be reached holds nothing (0), it never fails a request.
-- ``load(keys, block_ids)`` fetches the blocks in one batch, verifies every one (header key,
-  dtype, shape, checksum) and writes only the leading run of verified blocks into the cache.
-  It returns that run's length; a missing or corrupt block and everything after it are left
-  for the engine to recompute, and are counted. Unverified bytes never reach the cache.
-- ``save(keys, block_ids, request_id)`` copies the blocks out of the cache at once (so the
-  engine may reuse them as soon as it returns) and hands the copy to a background thread
-  that encodes it and puts it to the store in batches, overlapped with the next step's
-  compute. ``flush(request_id)`` returns a future that resolves, with that request's
-  ``SaveResult``, once every save queued for it so far has been acknowledged or has failed.
+  that cannot be reached holds nothing (0); it never fails a request.
+- ``load_blocks(keys, block_ids)`` fetches the blocks in one batch, verifies every one (header
+  key, dtype, shape, checksum) and writes only the leading run of verified blocks into the
+  cache. It returns that run's length; a missing or corrupt block and everything after it
+  are left for the engine to recompute, and are counted. Unverified bytes never reach the cache.
+- ``save_blocks(keys, block_ids, request_id)`` copies the blocks out of the cache at once (the
+  engine may reuse them as soon as it returns) and hands the copy to a background thread that
+  skips blocks the store already holds, encodes the rest and puts them in batches, overlapped
+  with the next step's compute. ``flush(request_id)`` returns a future resolving to that
+  request's ``SaveResult`` once every save queued for it so far is acknowledged or has failed.
 
-The connector is thread-compatible in this way: ``lookup``/``load``/``save``/``flush`` are
-called from the engine thread; only the saver thread talks to the save client. Pass a
-separate ``save_client`` when the store client is not thread-safe.
+Engine side: the methods of ``engine.connector_api.EngineConnector`` (``get_num_external_hits``,
+``load``, ``save``, ``request_finished``) map a ``Sequence`` onto the data path and keep a
+per-request tally (``take_load_result``) for the request's final stats. Which requests save
+is a policy: ``save_all`` (every request, e.g. a prefill or colocated worker) or only the ones
+marked with ``require_save`` (a request in phase "prefill" on any worker).
+
+Threads: ``lookup``/``load*``/``save*``/``flush`` run on the engine thread; only the saver
+thread uses ``save_client`` (pass a separate one when the client is not thread-safe).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +44,9 @@ import torch
 from kvstore import codec
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence as _Seq  # noqa: F401
 
 __all__ = ["ConnectorStats", "LoadResult", "SaveResult", "KVStoreConnector", "torch_dtype_name"]
 
@@ -122,6 +130,8 @@ class KVStoreConnector:
         kv_cache: torch.Tensor,
         *,
         save_client: Any | None = None,
+        save_all: bool = True,
+        load_enabled: bool = True,
         max_batch_bytes: int = _MAX_BATCH_BYTES,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
@@ -141,12 +151,53 @@ class KVStoreConnector:
         self.payload_bytes = codec.encoded_size(self.dtype_name, self.block_shape) - codec.HEADER_SIZE
         self.encoded_bytes = codec.HEADER_SIZE + self.payload_bytes
         self.max_batch_blocks = max(1, max_batch_bytes // self.encoded_bytes)
+        self.save_all = save_all
+        self.load_enabled = load_enabled
         self.stats = ConnectorStats()
+        self._must_save: set[str] = set()
+        self._loads: dict[str, LoadResult] = {}
         self._stats_lock = threading.Lock()
         self._per_request: dict[str | None, SaveResult] = {}
         self._queue: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
         self._saver: threading.Thread | None = None
         self._closed = False
+
+    # --- the engine's EngineConnector protocol (engine thread) --------------------------------
+
+    def get_num_external_hits(self, seq: "_Seq", num_device_hit_tokens: int) -> int:
+        """Tokens after the device hits whose blocks the store holds (whole blocks)."""
+        if not self.load_enabled:
+            return 0
+        start = num_device_hit_tokens // self.block_size
+        return self.lookup(seq.block_keys[start:]) * self.block_size
+
+    def load(self, seq: "_Seq", block_ids: Sequence[int]) -> int:
+        """Load ``seq``'s blocks from index ``num_computed_tokens // block_size`` on."""
+        start = seq.num_computed_tokens // self.block_size
+        result = self.load_blocks(seq.block_keys[start : start + len(block_ids)], block_ids)
+        prev = self._loads.get(seq.request_id)
+        if prev is not None:  # loaded again after a preemption: sum
+            result = LoadResult(prev.loaded + result.loaded, prev.requested + result.requested,
+                                prev.missing + result.missing, prev.corrupt + result.corrupt,
+                                prev.bytes + result.bytes, prev.seconds + result.seconds)
+        self._loads[seq.request_id] = result
+        return result.loaded - (prev.loaded if prev is not None else 0)
+
+    def save(self, seq: "_Seq", block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        if self.save_all or seq.request_id in self._must_save:
+            self.save_blocks(keys, block_ids, request_id=seq.request_id)
+
+    def request_finished(self, seq: "_Seq") -> None:
+        self._must_save.discard(seq.request_id)
+
+    def require_save(self, request_id: str) -> None:
+        """Save this request's blocks even when ``save_all`` is off (a phase="prefill" request)."""
+        self._must_save.add(request_id)
+
+    def take_load_result(self, request_id: str) -> LoadResult:
+        """The request's summed loads, forgotten afterwards (call once it has finished)."""
+        self._must_save.discard(request_id)
+        return self._loads.pop(request_id, None) or LoadResult(0, 0)
 
     # --- lookup and load (engine thread) -----------------------------------------------------
 
@@ -166,7 +217,7 @@ class KVStoreConnector:
             self.stats.lookup_hit_blocks += n
         return n
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> LoadResult:
+    def load_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> LoadResult:
         """Fetch ``keys`` into cache blocks ``block_ids``; return the verified leading run."""
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -224,8 +275,8 @@ class KVStoreConnector:
 
     # --- save (engine thread enqueues, saver thread puts) ------------------------------------
 
-    def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
-             request_id: str | None = None) -> None:
+    def save_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
+                    request_id: str | None = None) -> None:
         """Queue cache blocks ``block_ids`` for the store under ``keys``.
 
         The blocks are copied before this returns; encoding and the put happen on the saver
@@ -326,36 +377,49 @@ class KVStoreConnector:
 
     def _put_group(self, group: list[tuple[_SaveJob, int, int]], out: np.ndarray) -> None:
         t0 = time.perf_counter()
-        keys: list[BlockKey] = []
-        values: list[np.ndarray] = []
-        for job, lo, hi in group:
-            raw = job.staged[lo:hi].view(torch.uint8).reshape(hi - lo, self.payload_bytes).numpy()
-            for j in range(hi - lo):
-                row = out[len(keys)]
-                codec.encode_into(row, job.keys[lo + j], self.dtype_name, self.block_shape, raw[j])
-                keys.append(job.keys[lo + j])
-                values.append(row)
+        all_keys = [k for job, lo, hi in group for k in job.keys[lo:hi]]
         ok = True
+        keys: list[BlockKey] = []
+        sent: list[int] = []  # blocks shipped per group entry
         try:
-            self.save_client.put(keys, values)
+            # Device-hit blocks are offered again in case the store lost them: send only those
+            # it lacks (one round trip instead of encoding and shipping the bytes).
+            present = self.save_client.contains(all_keys)
+            values: list[np.ndarray] = []
+            pos = 0
+            for job, lo, hi in group:
+                sent.append(0)
+                raw = job.staged[lo:hi].view(torch.uint8).reshape(hi - lo, self.payload_bytes).numpy()
+                for j in range(hi - lo):
+                    if not present[pos]:
+                        row = out[len(keys)]
+                        codec.encode_into(row, job.keys[lo + j], self.dtype_name,
+                                          self.block_shape, raw[j])
+                        keys.append(job.keys[lo + j])
+                        values.append(row)
+                        sent[-1] += 1
+                    pos += 1
+            if keys:
+                self.save_client.put(keys, values)
         except KVStoreError as exc:
             ok = False
             log.warning("store save of %d blocks failed; they will be recomputed on a miss: %s",
-                        len(keys), exc)
+                        len(all_keys), exc)
         seconds = time.perf_counter() - t0
+        n = len(all_keys)
         with self._stats_lock:
             if ok:
-                self.stats.saved_blocks += len(keys)
+                self.stats.saved_blocks += n
                 self.stats.saved_bytes += len(keys) * self.payload_bytes
             else:
-                self.stats.save_failed_blocks += len(keys)
+                self.stats.save_failed_blocks += n
                 self.stats.store_errors += 1
             self.stats.save_s += seconds
-            for job, lo, hi in group:
+            for i, (job, lo, hi) in enumerate(group):
                 tally = self._per_request.setdefault(job.request_id, SaveResult())
                 if ok:
                     tally.saved_blocks += hi - lo
-                    tally.bytes += (hi - lo) * self.payload_bytes
+                    tally.bytes += sent[i] * self.payload_bytes
                 else:
                     tally.failed_blocks += hi - lo
-                tally.seconds += seconds * (hi - lo) / len(keys)
+                tally.seconds += seconds * (hi - lo) / n

@@ -52,6 +52,10 @@ class DictStore:
             out.append(v is not None)
         return out
 
+    def contains(self, keys) -> list[bool]:
+        self._check()
+        return [bytes(k) in self.data for k in keys]
+
     def prefix_len(self, keys) -> int:
         self._check()
         n = 0
@@ -78,8 +82,8 @@ def test_save_then_load_round_trips_into_other_blocks(keys, dtype):
     store = DictStore()
     src, dst = make_cache(dtype, 0), make_cache(dtype, 1)
     saver, loader = KVStoreConnector(store, src), KVStoreConnector(store, dst)
-    saver.save(keys[:3], [7, 2, 9], request_id="r")
-    saver.save(keys[3:], [0, 15], request_id="r")
+    saver.save_blocks(keys[:3], [7, 2, 9], request_id="r")
+    saver.save_blocks(keys[3:], [0, 15], request_id="r")
     result = saver.flush("r").result(timeout=10)
     assert result.saved_blocks == 5 and result.failed_blocks == 0
     assert result.bytes == 5 * L * 2 * BS * H * D * src.element_size()
@@ -90,7 +94,7 @@ def test_save_then_load_round_trips_into_other_blocks(keys, dtype):
     assert bytes(payload) == src[:, :, 7].contiguous().view(torch.uint8).numpy().tobytes()
 
     assert loader.lookup(keys) == 5
-    res = loader.load(keys, [1, 3, 4, 5, 6])
+    res = loader.load_blocks(keys, [1, 3, 4, 5, 6])
     assert (res.loaded, res.missing, res.corrupt) == (5, 0, 0)
     for src_id, dst_id in zip([7, 2, 9, 0, 15], [1, 3, 4, 5, 6]):
         assert torch.equal(dst[:, :, dst_id], src[:, :, src_id])
@@ -103,7 +107,7 @@ def test_saved_blocks_are_a_copy_taken_at_save_time(keys):
     cache = make_cache()
     before = cache[:, :, 4].clone()
     conn = KVStoreConnector(store, cache)
-    conn.save(keys[:1], [4], request_id="x")
+    conn.save_blocks(keys[:1], [4], request_id="x")
     cache[:, :, 4] = 0.0  # the engine reuses the block right away
     assert conn.flush("x").result(timeout=10).saved_blocks == 1
     _, payload = codec.decode(store.data[bytes(keys[0])], expected_key=keys[0])
@@ -115,7 +119,7 @@ def test_corrupt_block_stops_the_load_and_is_counted(keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     saver = KVStoreConnector(store, src)
-    saver.save(keys, [0, 1, 2, 3, 4], request_id="s")
+    saver.save_blocks(keys, [0, 1, 2, 3, 4], request_id="s")
     saver.flush("s").result(timeout=10)
     conn = KVStoreConnector(store, dst)
     assert conn.flush().done()  # no saver thread on this connector: resolves at once
@@ -124,7 +128,7 @@ def test_corrupt_block_stops_the_load_and_is_counted(keys):
     bad[-1] ^= 0xFF  # flip a payload bit
     store.data[bytes(keys[2])] = bytes(bad)
     untouched = dst[:, :, 10:16].clone()
-    res = conn.load(keys, [10, 11, 12, 13, 14])
+    res = conn.load_blocks(keys, [10, 11, 12, 13, 14])
     assert (res.loaded, res.corrupt, res.missing) == (2, 1, 0)
     assert torch.equal(dst[:, :, 10], src[:, :, 0]) and torch.equal(dst[:, :, 11], src[:, :, 1])
     # The corrupt block and everything after it never reached the cache.
@@ -136,10 +140,10 @@ def test_misfiled_block_is_corrupt(keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     s = KVStoreConnector(store, src)
-    s.save(keys[:2], [0, 1], request_id="s")
+    s.save_blocks(keys[:2], [0, 1], request_id="s")
     s.flush("s").result(timeout=10)
     store.data[bytes(keys[0])] = store.data[bytes(keys[1])]  # right bytes, wrong key
-    res = KVStoreConnector(store, dst).load(keys[:2], [0, 1])
+    res = KVStoreConnector(store, dst).load_blocks(keys[:2], [0, 1])
     assert res.loaded == 0 and res.corrupt == 1
 
 
@@ -147,18 +151,18 @@ def test_missing_block_and_unreachable_store_are_misses(keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     s = KVStoreConnector(store, src)
-    s.save(keys[:3], [0, 1, 2], request_id="s")
+    s.save_blocks(keys[:3], [0, 1, 2], request_id="s")
     s.flush("s").result(timeout=10)
     del store.data[bytes(keys[1])]
     conn = KVStoreConnector(store, dst)
     assert conn.lookup(keys) == 1
-    res = conn.load(keys[:3], [5, 6, 7])
+    res = conn.load_blocks(keys[:3], [5, 6, 7])
     assert (res.loaded, res.missing) == (1, 1)
 
     store.down = True
     assert conn.lookup(keys) == 0
-    assert conn.load(keys[:1], [8]).loaded == 0
-    s.save(keys[:1], [0], request_id="t")
+    assert conn.load_blocks(keys[:1], [8]).loaded == 0
+    s.save_blocks(keys[:1], [0], request_id="t")
     assert s.flush("t").result(timeout=10).failed_blocks == 1
     assert s.stats.save_failed_blocks == 1 and conn.stats.store_errors == 2
     s.close()
@@ -169,7 +173,7 @@ def test_saves_coalesce_into_batched_puts(keys):
     cache = make_cache()
     block_bytes = codec.encoded_size("float32", (L, 2, BS, H, D))
     conn = KVStoreConnector(store, cache, max_batch_bytes=2 * block_bytes)
-    conn.save(keys, [0, 1, 2, 3, 4], request_id="r")  # 5 blocks, batches of 2
+    conn.save_blocks(keys, [0, 1, 2, 3, 4], request_id="r")  # 5 blocks, batches of 2
     assert conn.flush("r").result(timeout=10).saved_blocks == 5
     assert store.puts == 3 and len(store.data) == 5
     conn.close()
