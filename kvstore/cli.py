@@ -154,7 +154,7 @@ def _format_stats(stats: dict[str, Any]) -> str:
     lines.append(f"node {server.get('node_id')} at {server.get('address')}: "
                  f"{server.get('connections')} connection(s), up {server.get('uptime_s')} s")
     store = stats.get("store", {})
-    tiers = store.get("tiers") or {}
+    tiers = {k: v for k, v in store.items() if isinstance(v, dict)}
     if tiers:
         cols = sorted({k for t in tiers.values() for k in t})
         lines.append(f"{'tier':<6}" + "".join(f"{c:>16}" for c in cols))
@@ -165,7 +165,7 @@ def _format_stats(stats: dict[str, Any]) -> str:
                 row.append(format_size(v) if c.endswith("bytes") and isinstance(v, int) else str(v))
             lines.append(f"{name:<6}" + "".join(f"{v:>16}" for v in row))
     for k, v in store.items():
-        if k != "tiers" and not isinstance(v, dict):
+        if not isinstance(v, dict) and v is not None:
             lines.append(f"{k}: {format_size(v) if k.endswith('bytes') and isinstance(v, int) else v}")
     return "\n".join(lines)
 

@@ -7,9 +7,12 @@ Exported (all prefixed ``kvstore_``):
 - ``bytes_total{direction="in"|"out", path="tcp"|"shm"}``: KV bytes put into (in) and got
   out of (out) the store; on the shared-memory path counted at COMMIT and PIN.
 - ``errors_total{code}``: error answers per error code.
-- From ``BlockStore.stats()`` at scrape time: ``hits_total{tier}``, ``misses_total``,
-  ``evictions_total``, ``demotions_total``, ``promotions_total``, ``used_bytes{tier}``,
-  ``capacity_bytes{tier}``, ``blocks{tier}`` — whichever of these the store reports.
+- From ``BlockStore.stats()`` at scrape time, per tier (``tier="host"|"ssd"|"gpu"``):
+  counters ``hits_total``, ``misses_total``, ``bytes_in_total``, ``bytes_out_total``,
+  ``evictions_total``, ``demotions_total`` (out of the tier), ``promotions_total`` (into
+  it), ``corrupt_total``; gauges ``used_bytes``, ``allocated_bytes``, ``capacity_bytes``,
+  ``blocks``; and the store-wide counters (``puts_total``, ``put_noops_total``,
+  ``store_full_total``).
 - ``connections``: open client connections.
 """
 
@@ -28,7 +31,7 @@ __all__ = ["StoreMetrics"]
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_TIERS = ("host", "ssd", "gpu")
+_GAUGES = {"used_bytes", "allocated_bytes", "capacity_bytes", "blocks", "pinned_blocks"}
 
 
 def _as_dict(stats: Any) -> dict[str, Any]:
@@ -36,7 +39,13 @@ def _as_dict(stats: Any) -> dict[str, Any]:
 
 
 class _StoreCollector(Collector):
-    """Reads the store's counters when Prometheus scrapes, so they cannot drift."""
+    """Reads ``BlockStore.stats()`` when Prometheus scrapes, so the numbers cannot drift.
+
+    Each tier's fields become ``kvstore_<field>{tier}``: occupancy fields (``_GAUGES``) as
+    gauges, every other number as a counter (``..._total``). Top-level numbers become
+    counters without a tier label. New fields in the store's stats appear without a change
+    here.
+    """
 
     def __init__(self, stats: Callable[[], Any], connections: Callable[[], int]) -> None:
         self._stats = stats
@@ -44,28 +53,22 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         s = _as_dict(self._stats())
-        tiers = s.get("tiers") or {}
-        families = {
-            "hits": CounterMetricFamily("kvstore_hits", "Blocks found, by tier", labels=["tier"]),
-            "used_bytes": GaugeMetricFamily("kvstore_used_bytes", "Bytes held, by tier", labels=["tier"]),
-            "capacity_bytes": GaugeMetricFamily("kvstore_capacity_bytes", "Capacity, by tier", labels=["tier"]),
-            "blocks": GaugeMetricFamily("kvstore_blocks", "Blocks held, by tier", labels=["tier"]),
-        }
-        for tier in _TIERS:
-            t = tiers.get(tier)
-            if t is None:
-                continue
-            t = _as_dict(t)
-            for name, fam in families.items():
-                if name in t:
-                    fam.add_metric([tier], float(t[name]))
-        yield from families.values()
-        for name, doc in (("misses", "Lookups by get that found no tier holding the block"),
-                          ("evictions", "Blocks dropped from the store"),
-                          ("demotions", "Blocks moved from host memory to SSD"),
-                          ("promotions", "Blocks moved from SSD to host memory on a hit")):
-            if name in s:
-                yield CounterMetricFamily(f"kvstore_{name}", doc, value=float(s[name]))
+        per_tier: dict[str, dict[str, float]] = {}
+        for tier, t in s.items():
+            if isinstance(t, dict):
+                for name, v in t.items():
+                    if isinstance(v, (int, float)):
+                        per_tier.setdefault(name, {})[tier] = float(v)
+        for name, values in sorted(per_tier.items()):
+            cls = GaugeMetricFamily if name in _GAUGES else CounterMetricFamily
+            fam = cls(f"kvstore_{name}", f"Store {name.replace('_', ' ')} per tier", labels=["tier"])
+            for tier, v in values.items():
+                fam.add_metric([tier], v)
+            yield fam
+        for name, v in s.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield CounterMetricFamily(f"kvstore_{name}", f"Store {name.replace('_', ' ')}",
+                                          value=float(v))
         yield GaugeMetricFamily("kvstore_connections", "Open client connections",
                                 value=float(self._connections()))
 

@@ -5,8 +5,8 @@ Each connection is served by its own thread with a blocking socket (see docs/arc
 arena slots and a GET's values are sent with ``sendmsg`` straight from their pinned slots,
 the GIL released during each copy. The wire format is ``kvstore.protocol``.
 
-A connection's reservations and pins are tracked here and released when it ends, however it
-ends (clean close, bad input, a dead peer, an I/O timeout mid-frame). Bad input closes that
+A connection's reservations and pins are made with the connection as their ``owner`` and
+released (``BlockStore.release_owner``) when it ends, however it ends (clean close, bad input, a dead peer, an I/O timeout mid-frame). Bad input closes that
 connection only. ``shutdown()`` stops accepting, lets every connection finish the operation
 it is in, then returns; the caller closes the store afterwards.
 """
@@ -272,12 +272,9 @@ class _Connection:
 
     def _release(self) -> None:
         try:
-            if self.reserved:
-                self.store.abort(list(self.reserved))
-                self.reserved.clear()
-            if self.pins:
-                self.store.unpin(list(self.pins.elements()))
-                self.pins.clear()
+            self.store.release_owner(self)
+            self.reserved.clear()
+            self.pins.clear()
         except Exception:
             log.exception("releasing the reservations and pins of %s failed", self.peer)
 
@@ -317,7 +314,7 @@ class _Connection:
                 f"a PUT of {total} bytes exceeds this node's {arena.size}-byte arena; "
                 "put fewer blocks at once or raise --memory"))
         try:
-            res = self.store.reserve(list(zip(keys, sizes)))
+            res = self.store.reserve(list(zip(keys, sizes)), owner=self)
         except StoreFull:
             self._drain(total)
             raise
@@ -339,7 +336,7 @@ class _Connection:
 
     def _get(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys)
+        locs = self.store.pin(keys, owner=self)
         pinned = [k for k, loc in zip(keys, locs) if loc is not None]
         try:
             buf = self.store.arena.buf
@@ -350,7 +347,7 @@ class _Connection:
             self._count("out", "tcp", sum(v.nbytes for v in data))
         finally:
             if pinned:
-                self.store.unpin(pinned)
+                self.store.unpin(pinned, owner=self)
 
     def _contains(self, h: P.Header, meta: memoryview) -> None:
         self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
@@ -369,7 +366,7 @@ class _Connection:
 
     def _reserve(self, h: P.Header, meta: memoryview) -> None:
         keys, sizes = P.unpack_keys_sizes(meta)
-        res = self.store.reserve(list(zip(keys, sizes)))
+        res = self.store.reserve(list(zip(keys, sizes)), owner=self)
         for k, r, s in zip(keys, res, sizes):
             if r is not None:
                 self.reserved[k] = s
@@ -399,7 +396,7 @@ class _Connection:
 
     def _pin(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys)
+        locs = self.store.pin(keys, owner=self)
         n = len(keys)
         out = np.full(2 * n, P.MISSING, dtype="<u8")
         nbytes = 0
@@ -420,5 +417,5 @@ class _Connection:
                                 f"(first {bad[0].hex()})")
         self.pins.subtract(need)
         self.pins = +self.pins
-        self.store.unpin(keys)
+        self.store.unpin(keys, owner=self)
         self._reply(h)
