@@ -15,18 +15,22 @@ Usage::
 This package imports neither the engine nor the router.
 """
 
+from .client import AsyncClient, Client, connect
 from .errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 from .keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
 
 __all__ = [
+    "AsyncClient",
     "AuthError",
     "BlockKey",
+    "Client",
     "CorruptBlock",
     "KVStoreError",
     "ProtocolError",
     "StoreFull",
     "StoreUnavailable",
     "block_keys",
+    "connect",
     "extend_block_keys",
     "namespace_id",
     "salted",
