@@ -1,0 +1,155 @@
+"""OpenAI request validation, error shapes, and response shapes the official client parses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.api_types import TokenLogprob
+from router.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
+from router.openai_types import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unauthorized,
+)
+
+openai_types = pytest.importorskip("openai.types")
+chat_types = pytest.importorskip("openai.types.chat")
+
+
+def test_completion_request_parses_every_supported_field() -> None:
+    req = CompletionRequest.parse({
+        "model": "m", "prompt": "Hello", "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "stop": "\n", "seed": 3, "logprobs": 2, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}, "user": "u", "cache_salt": "tenant-a",
+        "top_k": -1, "unknown_extra": 1,
+    })
+    o = req.options
+    assert req.prompts == ("Hello",)
+    assert (o.max_tokens, o.temperature, o.top_p, o.stop, o.seed, o.logprobs, o.n) == (7, 0.0, 0.5, ("\n",), 3, 2, 2)
+    assert o.stream and o.include_usage and o.cache_salt == "tenant-a" and o.top_k == 0
+    s = o.sampling(max_tokens=7, choice=1)
+    assert (s.max_tokens, s.temperature, s.seed, s.logprobs) == (7, 0.0, 4, 2)
+    assert CompletionRequest.parse({"model": "m", "prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
+    batch = CompletionRequest.parse({"model": "m", "prompt": ["a", [5, 6]]})
+    assert batch.prompts == ("a", (5, 6)) and batch.options.max_tokens == 16
+
+
+def test_chat_request_normalizes_messages() -> None:
+    req = ChatRequest.parse({
+        "model": "m", "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "name": None},
+        ],
+    })
+    assert req.messages[1]["content"] == "a\nb"
+    assert req.messages[2] == {"role": "assistant", "content": ""}
+    assert req.options.max_tokens == 5 and req.options.logprobs == 3
+    assert ChatRequest.parse({"model": "m", "messages": [{"role": "user", "content": "x"}]}).options.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
+        ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
+        ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+        ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+        ({"model": "m", "prompt": "x", "seed": 1.5}, "seed"),
+    ],
+)
+def test_completion_bad_input_names_the_field(body: dict, param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        CompletionRequest.parse(body)
+    err = info.value.to_json()["error"]
+    assert info.value.status == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_chat_bad_input_names_the_field(body: dict, param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        ChatRequest.parse(body)
+    assert info.value.param == param
+
+
+def test_error_statuses_and_shape() -> None:
+    assert BadRequest("x").status == 400
+    assert Unauthorized().status == 401
+    err = ModelNotFound("gpt-9", ["tiny"])
+    assert err.status == 404 and err.to_json()["error"]["code"] == "model_not_found"
+    assert "tiny" in err.message
+    assert TooManyRequests("busy").status == 429
+    assert ServiceUnavailable("no worker").status == 503
+    assert set(ServiceUnavailable("x").to_json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_shapes_parse_with_the_openai_client(tokenizer) -> None:
+    fmt = ResponseFormatter("completion", "tiny", tokenizer)
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    lps = [TokenLogprob(-0.5, ((t, -0.5), (1, -2.0))) for t in ids]
+    logprobs = fmt.logprobs(ids, lps)
+    body = fmt.response([fmt.choice(1, "b", "length"), fmt.choice(0, "Hello world", "stop", logprobs)],
+                        usage_json(3, 4))
+    parsed = openai_types.Completion.model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert parsed.usage.total_tokens == 7 and parsed.id.startswith("cmpl-")
+    assert "".join(parsed.choices[0].logprobs.tokens) == "Hello world"
+    assert parsed.choices[0].logprobs.text_offset[0] == 0
+    chunk = sse(fmt.chunk(0, "Hel"))
+    assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+    # OpenAI streams finish_reason null until the end; its client builds chunks unvalidated.
+    streamed = json.loads(chunk[6:])
+    assert streamed["choices"] == [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}]
+    openai_types.Completion.model_validate(fmt.chunk(0, "lo", "length"))
+    openai_types.Completion.model_validate(fmt.usage_chunk(usage_json(1, 2)))
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_chat_shapes_parse_with_the_openai_client(tokenizer) -> None:
+    fmt = ResponseFormatter("chat", "tiny", tokenizer)
+    ids = tokenizer.encode("Paris", add_special_tokens=False)
+    lps = [TokenLogprob(-0.1, ((t, -0.1),)) for t in ids]
+    body = fmt.response([fmt.choice(0, "Paris", "stop", fmt.logprobs(ids, lps))], usage_json(5, 2, cached_tokens=4))
+    parsed = chat_types.ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "Paris" and parsed.object == "chat.completion"
+    assert "".join(e.token for e in parsed.choices[0].logprobs.content) == "Paris"
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 4
+    for obj in (fmt.role_chunk(0), fmt.chunk(0, "Pa"), fmt.chunk(0, "", "stop"), fmt.usage_chunk(usage_json(1, 1))):
+        chunk = chat_types.ChatCompletionChunk.model_validate(obj)
+        assert chunk.id == fmt.id
+    assert fmt.role_chunk(0)["choices"][0]["delta"]["role"] == "assistant"
+    assert fmt.chunk(0, "", "stop")["choices"][0]["delta"] == {}
