@@ -45,15 +45,16 @@ class ScheduledChunk:
     seq: Sequence
     start_pos: int
     num_tokens: int
+    # True when the chunk ends at the sequence's last token: its logits are sampled. Fixed at
+    # planning time (postprocess appends the sampled token).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start_pos + self.num_tokens == self.seq.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk ends at the sequence's last token: its logits are sampled."""
-        return self.start_pos + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
