@@ -19,18 +19,21 @@ from collections import OrderedDict
 from .allocator import Allocator
 from .keys import BlockKey
 
-__all__ = ["GpuTier"]
+__all__ = ["GpuTier", "DEFAULT_DEVICE"]
+
+DEFAULT_DEVICE = "cuda"  # the store's tier lives here; tests run the same code on "cpu"
 
 
 class GpuTier:
     """``capacity_bytes`` of CUDA memory on ``device`` holding whole blocks."""
 
-    def __init__(self, capacity_bytes: int, device: str = "cuda") -> None:
+    def __init__(self, capacity_bytes: int, device: str | None = None) -> None:
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the machine
             raise RuntimeError("gpu_memory_bytes > 0 needs torch with CUDA; set it to 0") from e
-        if not torch.cuda.is_available():
+        device = device or DEFAULT_DEVICE
+        if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError("gpu_memory_bytes > 0 but CUDA is not available; set it to 0")
         self._torch = torch
         self.allocator = Allocator(capacity_bytes, granule=256)
