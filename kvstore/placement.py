@@ -62,14 +62,14 @@ class Placement:
             if not self._encoded:
                 return []
             key = bytes(key)
-            best = max(_weights(key, self._encoded), key=lambda wn: (wn[0], wn[1]))
+            best = max(_weights(key, self._encoded))  # tuples: weight, then node id
             return [best[1]]
         return self.ranking(key)[:r]
 
     def ranking(self, key: bytes) -> list[str]:
         """All nodes, highest weight for ``key`` first."""
         scored = _weights(bytes(key), self._encoded)
-        scored.sort(key=lambda wn: (wn[0], wn[1]), reverse=True)
+        scored.sort(reverse=True)
         return [node for _, node in scored]
 
     def rankings(self, keys: Sequence[bytes]) -> list[list[str]]:

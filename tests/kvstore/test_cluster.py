@@ -6,6 +6,7 @@ import json
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
         assert cc.wait_for_nodes(3, 10.0) and cc2.wait_for_nodes(3, 10.0)
         assert cc.nodes == {d.node_id: d.address for d in daemons}
 
-        keys, values = _keys("r1", 300), None
+        keys = _keys("r1", 300)
         values = _values(keys)
         cc.put(keys, values)
         keys2 = _keys("r2", 150)
@@ -80,6 +81,15 @@ def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
         assert cc.contains(keys[-5:]) == [False] * 5
         keys, values = keys[:-5], values[:-5]
         assert cc.stats()["nodes"].keys() == by_id.keys()
+
+        # One ClusterClient shared by several threads.
+        def worker(t: int) -> bool:
+            ks = _keys(f"thread{t}", 40)
+            cc.put(ks, _values(ks))
+            return cc.get_bytes(ks) == _values(ks)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(worker, range(4)))
 
         # Kill one node: its keys are misses, the rest hit, nothing raises.
         victim = placement.owners(keys[0])[0]
