@@ -1,0 +1,216 @@
+"""LLMEngine end to end with the real ModelRunner on the tiny checkpoints.
+
+The oracle is Hugging Face transformers' greedy decoding on the same checkpoint (float32):
+token for token, except at a step where transformers' own top-2 logit margin is below 1e-4
+(``hf_oracle.NEAR_TIE``); such steps are counted and reported (``near_ties`` property).
+Every other path (chunked, unchunked, batched, prefix hit, preemption) must equal it too.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.block_manager import KVEvent
+from engine.engine_config import EngineConfig
+from engine.llm_engine import Completion, LLMEngine
+from engine.sampling import SamplingParams
+from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
+
+torch.set_num_threads(1)
+
+NEW_TOKENS = 40
+PROMPTS = [
+    [(7 * i + 13 * n) % 500 + 5 for i in range(n)] for n in (5, 16, 23, 41, 64)
+]  # lengths around and across block boundaries (block_size 16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    return hf_greedy(model_dir, list(prompt), NEW_TOKENS)
+
+
+def make_engine(model_dir: Path, **cfg) -> LLMEngine:
+    cfg.setdefault("num_blocks", 64)
+    return LLMEngine(model_dir, EngineConfig(**cfg))
+
+
+def check_against_hf(model_dir: Path, prompts: list[list[int]], results: list[Completion],
+                     record_property) -> int:
+    near_ties = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        theirs, margins = oracle(str(model_dir), tuple(prompt))
+        assert len(result.token_ids) == NEW_TOKENS and result.finish_reason == "length"
+        near_ties += assert_same_greedy(result.token_ids, theirs, margins)
+    record_property("near_ties", near_ties)
+    print(f"near-tie divergences: {near_ties}")
+    return near_ties
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def model_dir(request, tiny_llama_dir: Path, tiny_qwen3_dir: Path) -> Path:
+    return {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[request.param]
+
+
+def test_greedy_equals_transformers_batched_and_chunked(model_dir: Path, record_property) -> None:
+    engine = make_engine(model_dir, max_num_batched_tokens=32)  # chunks of the long prompts
+    results = engine.generate(PROMPTS, GREEDY)
+    check_against_hf(model_dir, PROMPTS, results, record_property)
+    assert all(r.stats.computed_prompt_tokens == len(p) for p, r in zip(PROMPTS, results))
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_unchunked_and_alone_equal_transformers(tiny_llama_dir: Path, record_property) -> None:
+    unchunked = make_engine(tiny_llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=128)
+    results = unchunked.generate(PROMPTS, GREEDY)
+    alone = [make_engine(tiny_llama_dir).generate([p], GREEDY)[0] for p in PROMPTS[::2]]
+    check_against_hf(tiny_llama_dir, PROMPTS, results, record_property)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in results[::2]]
+
+
+def test_prefix_cache_hit_equals_cold_run_and_computes_less(tiny_llama_dir: Path) -> None:
+    events: list[KVEvent] = []
+    engine = LLMEngine(tiny_llama_dir, EngineConfig(num_blocks=64), on_kv_event=events.append)
+    base = PROMPTS[4]  # 64 tokens: 4 full blocks
+    first = engine.generate([base], GREEDY)[0]
+    stored = [k for e in events if e.type == "stored" for k in e.keys]
+    assert len(stored) == (64 + NEW_TOKENS - 1) // 16  # every full block, prompt and output
+    extended = base + first.token_ids[:10] + [11, 12, 13]  # a second turn of the conversation
+    warm = engine.generate([extended], GREEDY)[0]
+    cold = make_engine(tiny_llama_dir).generate([extended], GREEDY)[0]
+    assert warm.token_ids == cold.token_ids
+    assert warm.stats.device_hit_tokens == 64
+    assert warm.stats.computed_prompt_tokens == len(extended) - 64
+    assert cold.stats.computed_prompt_tokens == len(extended)
+    # An identical prompt of whole blocks recomputes its last block (the last token needs logits).
+    again = engine.generate([base], GREEDY)[0]
+    assert again.token_ids == first.token_ids and again.stats.device_hit_tokens == 48
+
+
+def test_cache_salt_separates_namespaces(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir)
+    engine.generate([PROMPTS[4]], GREEDY)
+    engine.add_request("salted", PROMPTS[4], GREEDY, cache_salt="tenant-b")
+    stats = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            stats = out.stats
+    assert stats is not None and stats.device_hit_tokens == 0
+
+
+def test_preemption_equals_no_preemption(tiny_llama_dir: Path, record_property) -> None:
+    # 5 requests need up to 7 blocks each; 14 blocks force recomputation.
+    engine = make_engine(tiny_llama_dir, num_blocks=14)
+    results = engine.generate(PROMPTS, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert sum(r.stats.num_preemptions for r in results) == engine.scheduler.num_preemptions
+    check_against_hf(tiny_llama_dir, PROMPTS, results, record_property)
+    assert engine.block_manager.num_free_blocks == 14
+
+
+def test_seeded_sampling_continues_from_the_middle(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234, max_tokens=30,
+                            ignore_eos=True, logprobs=1)
+    prompt = PROMPTS[2]
+    full = make_engine(tiny_llama_dir).generate([prompt], params)[0]
+    assert len(full.token_ids) == 30 and len(full.logprobs) == 30
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=16)
+    engine.add_request("resume", prompt, params, output_token_ids=full.token_ids[:12])
+    engine.add_request("other", PROMPTS[3], params)  # batch company must not matter
+    resumed: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "resume":
+                resumed.extend(out.new_token_ids)
+    assert resumed == full.token_ids[12:]
+    # An unseeded request is given a seed, reported, which reproduces it.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("u", prompt, unseeded)
+    got, seed = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+            seed = out.seed
+    assert seed is not None
+    replay = make_engine(tiny_llama_dir).generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=seed))[0]
+    assert replay.token_ids == got
+
+
+def test_logprobs_of_greedy_tokens(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    result = make_engine(tiny_llama_dir).generate([PROMPTS[1]], params)[0]
+    assert len(result.logprobs) == 8
+    for token, lp in zip(result.token_ids, result.logprobs):
+        assert lp.top[0][0] == token and lp.logprob == pytest.approx(lp.top[0][1])
+        assert lp.logprob <= 0.0 and len(lp.top) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prompt": [1, 2, 512]}, r"token id 512, outside the vocabulary \[0, 512\)"),
+        ({"prompt": [-1, 2]}, "token id -1"),
+        ({"prompt": []}, "no tokens"),
+        ({"prompt": [1, 2], "output_token_ids": [3, 999]}, "output_token_ids holds token id 999"),
+        ({"prompt": [1] * 100, "max_tokens": 200}, "exceeds the context window of 256"),
+        ({"prompt": [1, 2], "max_tokens": 2, "output_token_ids": [3, 4]}, "nothing to generate"),
+        ({"request_id": "good"}, "already in the engine"),
+        ({"request_id": ""}, "non-empty"),
+    ],
+)
+def test_bad_requests_raise_and_do_not_disturb_others(tiny_llama_dir: Path, kwargs, match) -> None:
+    engine = make_engine(tiny_llama_dir, max_model_len=256)
+    engine.add_request("good", PROMPTS[3], GREEDY)
+    tokens = [t for out in engine.step() for t in out.new_token_ids]
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(
+            kwargs.get("request_id", "bad"),
+            kwargs.get("prompt", [1, 2, 3]),
+            SamplingParams(temperature=0.0, max_tokens=kwargs.get("max_tokens", 8)),
+            output_token_ids=kwargs.get("output_token_ids", ()),
+        )
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "good"
+            tokens.extend(out.new_token_ids)
+    theirs, _ = oracle(str(tiny_llama_dir), tuple(PROMPTS[3]))
+    assert tokens == theirs
+
+
+def test_engine_level_config_errors(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir, num_blocks=4, enable_chunked_prefill=False,
+                         max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="need 5 KV blocks; the cache has 4"):
+        engine.add_request("big", [1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="chunked prefill is disabled"):
+        engine.add_request("long", [1] * 40, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_engine(tiny_llama_dir, max_model_len=10**6)
+    with pytest.raises(ValueError, match="positive integer"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_abort_mid_run_frees_blocks_and_spares_the_rest(tiny_llama_dir: Path) -> None:
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=32)
+    engine.add_request("keep", PROMPTS[3], GREEDY)
+    engine.add_request("drop", PROMPTS[4], GREEDY)
+    kept: list[int] = []
+    finals = {}
+    for i in range(200):
+        if i == 5:
+            assert engine.abort("drop") and not engine.abort("drop")
+        for out in engine.step():
+            if out.request_id == "keep":
+                kept.extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+        if not engine.has_unfinished():
+            break
+    assert finals == {"drop": "abort", "keep": "length"}
+    assert kept == oracle(str(tiny_llama_dir), tuple(PROMPTS[3]))[0]
+    assert engine.block_manager.num_free_blocks == 64
