@@ -146,15 +146,24 @@ class EtcdClient:
         if self._closed:
             raise EtcdError("EtcdClient is closed")
         last: Exception | None = None
+        content = json.dumps(body)
         for endpoint in self._order():
-            try:
-                resp = self._http.post(endpoint + path, content=json.dumps(body))
-            except httpx.ConnectError as exc:  # never reached a server: safe to try the next
-                last = exc
-                continue
-            except httpx.TransportError as exc:
-                last = exc
-                if idempotent:
+            # A pooled keep-alive connection may have died with a restarted etcd: an idempotent
+            # call gets one more try on the same endpoint (a fresh connection) before moving on.
+            for _ in range(2 if idempotent else 1):
+                try:
+                    resp = self._http.post(endpoint + path, content=content)
+                    break
+                except httpx.ConnectError as exc:  # never reached a server: try the next one
+                    last, resp = exc, None
+                    break
+                except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                    last, resp = exc, None
+                except httpx.TransportError as exc:  # a timeout: slow or cut-off server
+                    last, resp = exc, None
+                    break
+            if resp is None:
+                if idempotent or isinstance(last, httpx.ConnectError):
                     continue
                 break
             self._preferred = self.endpoints.index(endpoint)

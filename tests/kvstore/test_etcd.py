@@ -227,3 +227,18 @@ def test_bad_endpoints_rejected():
     with pytest.raises(ValueError):
         EtcdClient("https://127.0.0.1:2379")
     assert issubclass(EtcdError, KVStoreError)
+
+
+def test_same_client_works_across_an_etcd_restart(etcd_server):
+    server = etcd_server()
+    with EtcdClient(server.url) as c:
+        c.put("/r/k", b"before")  # leaves a pooled keep-alive connection behind
+        server.stop()
+        with pytest.raises(EtcdUnavailable):
+            c.get("/r/k")
+        server.start()
+        assert c.get("/r/k") == b"before"  # data dir kept
+        c.put("/r/k", b"after")
+        assert c.get("/r/k") == b"after"
+        server.restart()  # no failed call in between: the pooled connection is simply stale
+        assert c.get("/r/k") == b"after"
