@@ -1,0 +1,196 @@
+"""An async client for one worker's HTTP API (docs/architecture.md, "Worker HTTP API").
+
+- ``generate(request)`` streams :class:`GenerateChunk` lines and ends with exactly one
+  :class:`GenerateFinal`; a stream that breaks first raises :class:`WorkerUnavailable` (the
+  orchestrator retries or resumes elsewhere), a refused request :class:`WorkerRejected`.
+- ``abort(request_id)`` frees what a request holds; best effort, never raises.
+- ``follow_events(index, on_load)`` keeps a :class:`~router.kv_index.KvIndex` in step with
+  the worker's event stream: snapshot, then events from ``snapshot.seq``; on a gap or a
+  broken stream it resynchronizes from a fresh snapshot (after ``retry_interval`` if the
+  worker could not be reached). Runs until cancelled.
+
+Timeouts: connecting and unary calls use ``timeout``; streams use ``stream_read_timeout``
+between lines (None: wait forever, e.g. for the event stream of an idle worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from engine.api_types import (
+    ApiValidationError,
+    GenerateChunk,
+    GenerateFinal,
+    GenerateRequest,
+    LoadEvent,
+    LoadFigures,
+    Snapshot,
+    WorkerEvent,
+    WorkerInfo,
+    parse_event,
+    parse_generate_line,
+)
+from router.kv_index import KvIndex
+
+__all__ = ["WorkerClient", "WorkerError", "WorkerUnavailable", "WorkerRejected"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(Exception):
+    """A worker call failed. ``worker_id`` says which worker."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(f"worker {worker_id}: {message}")
+        self.worker_id = worker_id
+
+
+class WorkerUnavailable(WorkerError):
+    """The worker could not be reached, broke the stream, or answered 5xx: try another."""
+
+
+class WorkerRejected(WorkerError):
+    """The worker refused the request (4xx): retrying elsewhere will not help."""
+
+    def __init__(self, worker_id: str, status: int, message: str) -> None:
+        super().__init__(worker_id, f"HTTP {status}: {message}")
+        self.status = status
+
+
+class WorkerClient:
+    """One worker's API over a pooled ``httpx.AsyncClient``. Close with ``aclose``."""
+
+    def __init__(self, info: WorkerInfo, *, timeout: float = 5.0,
+                 stream_read_timeout: float | None = 300.0, max_connections: int = 1024) -> None:
+        self.info = info
+        self._timeout = timeout
+        self._stream_timeout = httpx.Timeout(timeout, read=stream_read_timeout)
+        self._http = httpx.AsyncClient(
+            base_url=info.address, timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+        )
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # --- requests -------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk | GenerateFinal]:
+        """Stream one request's output; the last item is always a :class:`GenerateFinal`."""
+        try:
+            async with self._http.stream("POST", "/generate", json=request.to_json(),
+                                         timeout=self._stream_timeout) as resp:
+                await self._check(resp)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    item = parse_generate_line(self._json(line))
+                    yield item
+                    if isinstance(item, GenerateFinal):
+                        return
+        except httpx.HTTPError as exc:
+            raise WorkerUnavailable(self.worker_id, f"generate {request.request_id}: {exc!r}") from exc
+        except ApiValidationError as exc:
+            raise WorkerUnavailable(self.worker_id, f"bad stream line: {exc}") from exc
+        raise WorkerUnavailable(self.worker_id,
+                                f"generate {request.request_id}: stream ended before its final line")
+
+    async def abort(self, request_id: str) -> bool:
+        """Ask the worker to free ``request_id``; False when it could not be told."""
+        try:
+            resp = await self._http.post("/abort", json={"request_id": request_id})
+            return resp.status_code < 400
+        except httpx.HTTPError as exc:
+            log.info("abort %s on %s failed: %r", request_id, self.worker_id, exc)
+            return False
+
+    async def info_now(self) -> WorkerInfo:
+        """``GET /info``."""
+        return WorkerInfo.from_json(await self._get_json("/info"))
+
+    async def snapshot(self) -> Snapshot:
+        """``GET /snapshot``."""
+        try:
+            return Snapshot.from_json(await self._get_json("/snapshot"))
+        except ApiValidationError as exc:
+            raise WorkerUnavailable(self.worker_id, f"bad snapshot: {exc}") from exc
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def events(self, since: int) -> AsyncIterator[WorkerEvent]:
+        """``GET /events?since=``: events after ``since``, until the stream ends."""
+        timeout = httpx.Timeout(self._timeout, read=None)
+        try:
+            async with self._http.stream("GET", "/events", params={"since": since},
+                                         timeout=timeout) as resp:
+                await self._check(resp)
+                async for line in resp.aiter_lines():
+                    if line.strip():
+                        yield parse_event(self._json(line))
+        except httpx.HTTPError as exc:
+            raise WorkerUnavailable(self.worker_id, f"event stream: {exc!r}") from exc
+        except ApiValidationError as exc:
+            raise WorkerUnavailable(self.worker_id, f"bad event: {exc}") from exc
+
+    async def follow_events(self, index: KvIndex, on_load: Callable[[LoadFigures], None],
+                            *, retry_interval: float = 0.5) -> None:
+        """Keep ``index`` in step with this worker until cancelled (see the module docstring)."""
+        wid = self.worker_id
+        index.add_worker(wid)
+        while True:
+            try:
+                snap = await self.snapshot()
+                index.reset(wid, snap)
+                on_load(snap.load)
+                async with aclosing(self.events(since=snap.seq)) as events:
+                    async for event in events:
+                        if not index.apply(wid, event):
+                            log.info("worker %s: event gap at seq %d; resyncing", wid, event.seq)
+                            break
+                        if isinstance(event, LoadEvent):
+                            on_load(event.load)
+                    else:
+                        await asyncio.sleep(retry_interval)  # the worker closed the stream
+            except WorkerError as exc:
+                log.debug("worker %s events: %s; retrying", wid, exc)
+                await asyncio.sleep(retry_interval)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    async def _get_json(self, path: str) -> Any:
+        try:
+            resp = await self._http.get(path)
+        except httpx.HTTPError as exc:
+            raise WorkerUnavailable(self.worker_id, f"GET {path}: {exc!r}") from exc
+        await self._check(resp)
+        return self._json(resp.text)
+
+    async def _check(self, resp: httpx.Response) -> None:
+        if resp.status_code < 400:
+            return
+        await resp.aread()
+        text = resp.text[:500]
+        if resp.status_code >= 500:
+            raise WorkerUnavailable(self.worker_id, f"HTTP {resp.status_code}: {text}")
+        raise WorkerRejected(self.worker_id, resp.status_code, text)
+
+    def _json(self, text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise WorkerUnavailable(self.worker_id, f"not JSON: {text[:200]!r}") from exc

@@ -1,0 +1,129 @@
+"""WorkerClient and WorkerPool against a fake worker, and discovery through a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from engine.api_types import GenerateFinal, GenerateRequest, LoadFigures, SamplingParams
+from kvstore.keys import block_keys
+from router.worker_client import WorkerClient, WorkerRejected, WorkerUnavailable
+from router.worker_pool import StaticMembership, WorkerPool
+from tests.router.fake_worker import NS, FakeWorker
+
+KEYS = block_keys(NS, list(range(64)), 4)
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def _run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro(), 30))
+
+
+def test_generate_streams_until_final_and_reports_failures() -> None:
+    async def body() -> None:
+        fake = await FakeWorker().start()
+        client = WorkerClient(fake.info)
+        try:
+            req = GenerateRequest("r1", [10, 11], SamplingParams(max_tokens=3, temperature=0.0))
+            items = [x async for x in client.generate(req)]
+            assert [x.token_ids for x in items[:-1]] == [[12], [13], [14]]
+            assert isinstance(items[-1], GenerateFinal) and items[-1].finish_reason == "length"
+            assert fake.requests[0].to_json() == req.to_json()
+            fake.break_after = 1
+            with pytest.raises(WorkerUnavailable, match="before its final line"):
+                _ = [x async for x in client.generate(req)]
+            bad = GenerateRequest("r2", [1])
+            bad.prompt_token_ids = []  # invalid on the wire: the worker answers 400
+            with pytest.raises(WorkerRejected) as info:
+                _ = [x async for x in client.generate(bad)]
+            assert info.value.status == 400
+            assert await client.abort("r1") and fake.aborted == ["r1"]
+        finally:
+            await client.aclose()
+            await fake.stop()
+        dead = WorkerClient(fake.info, timeout=0.5)
+        with pytest.raises(WorkerUnavailable):
+            _ = [x async for x in dead.generate(GenerateRequest("r3", [1]))]
+        assert not await dead.abort("r3")
+        await dead.aclose()
+
+    _run(body)
+
+
+def test_pool_follows_events_resyncs_on_gap_and_tracks_load() -> None:
+    async def body() -> None:
+        fake = await FakeWorker().start()
+        await fake.publish("stored", KEYS[:2])
+        pool = await WorkerPool(StaticMembership([fake.info])).start()
+        try:
+            idx = pool.index
+            await _until(lambda: idx.is_synced("w0"))
+            assert idx.match(KEYS) == {"w0": 2}
+            await fake.publish("stored", KEYS[2:5])
+            await fake.publish("load", load=LoadFigures(waiting=2, kv_free_blocks=40, kv_total_blocks=100,
+                                                        prefill_tokens_per_s=123.0))
+            await _until(lambda: idx.match(KEYS) == {"w0": 5})
+            handle = pool.get("w0")
+            await _until(lambda: handle.load.figures.waiting == 2)
+            assert handle.load.prefill_rate.value == 123.0 and handle.load.free_blocks == 40
+            # A gap in the sequence: the pool fetches a fresh snapshot and catches up.
+            snaps = fake.snapshots
+            await fake.publish("removed", KEYS[1:2], skip=1)
+            await _until(lambda: fake.snapshots > snaps and idx.is_synced("w0"))
+            assert idx.match(KEYS) == {"w0": 1}
+            assert pool.health()["membership"] == "ok" and pool.health()["synced"] == 1
+            assert [w.worker_id for w in pool.decode_workers("tiny")] == ["w0"]
+            assert pool.prefill_workers("other-model") == []
+        finally:
+            await pool.close()
+            await fake.stop()
+        assert idx.workers == []
+
+    _run(body)
+
+
+@pytest.mark.integration
+def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) -> None:
+    from kvstore.membership import Registration
+
+    server = etcd_server()
+    cluster = unique_prefix.strip("/")
+
+    async def body() -> None:
+        fake = await FakeWorker("wa").start()
+        pool = await WorkerPool.from_etcd(server.url, cluster).start()
+        try:
+            assert pool.workers() == [] and pool.etcd_healthy
+            value = {k: v for k, v in fake.info.to_json().items() if k != "worker_id"}
+            reg = await asyncio.to_thread(
+                lambda: Registration(server.url, f"/{cluster}/workers/wa", value, ttl=2.0).start())
+            t0 = time.monotonic()
+            await _until(lambda: pool.get("wa") is not None, timeout=5)
+            assert time.monotonic() - t0 < 1.0, "a registered worker is used within a second"
+            await _until(lambda: pool.index.is_synced("wa"))
+            await asyncio.to_thread(reg.close)
+            await _until(lambda: pool.get("wa") is None, timeout=5)
+            # etcd goes away: the last membership is kept, and health says so.
+            reg = await asyncio.to_thread(
+                lambda: Registration(server.url, f"/{cluster}/workers/wa", value, ttl=2.0).start())
+            await _until(lambda: pool.get("wa") is not None)
+            await asyncio.to_thread(server.stop)
+            await _until(lambda: not pool.etcd_healthy, timeout=10)
+            assert pool.get("wa") is not None
+            assert "unreachable" in pool.health()["membership"]
+            await asyncio.to_thread(reg.close)
+        finally:
+            await pool.close()
+            await fake.stop()
+
+    _run(body)
