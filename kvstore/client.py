@@ -345,7 +345,7 @@ class Client:
                 d.finish(s)
         finally:
             if pinned:
-                self._exchange(conn, P.Op.UNPIN, P.pack_keys(pinned))
+                self._send_unpin(conn, pinned)
         return [s != P.MISSING for s in sizes]
 
     def _read_pinned(self, conn: _Conn, keys, meta) -> list[bytes | None]:
@@ -358,7 +358,16 @@ class Client:
                     for off, s in zip(offsets, sizes)]
         finally:
             if pinned:
-                self._exchange(conn, P.Op.UNPIN, P.pack_keys(pinned))
+                self._send_unpin(conn, pinned)
+
+    def _send_unpin(self, conn: _Conn, keys) -> None:
+        """UNPIN without waiting: the daemon applies it before this connection's next request
+        and answers only if it fails (then the next response is out of step and the
+        connection is dropped)."""
+        conn.rid += 1
+        meta = P.pack_keys(keys)
+        conn.sock.sendall(P.pack_header(P.Op.UNPIN, P.FLAG_NO_REPLY, conn.rid, len(meta)) + meta)
+        self.bytes_sent += P.HEADER_SIZE + len(meta)
 
     # --- connection and framing --------------------------------------------------------------
 

@@ -6,7 +6,7 @@ Every message, request or response, is one frame (all integers little-endian)::
     0      4     magic        b"KVSP"
     4      1     version      1
     5      1     op           see ``Op``
-    6      2     flags        bit 0 RESPONSE, bit 1 ERROR
+    6      2     flags        bit 0 RESPONSE, bit 1 ERROR, bit 2 NO_REPLY
     8      8     request id   chosen by the client, echoed in the response
     16     4     meta length  bytes of structured metadata that follow the header
     20     4     reserved     0
@@ -18,7 +18,10 @@ order, so the daemon can ``recv_into`` each value straight into its reserved are
 send each value straight from its pinned slot (no intermediate copy on either side).
 
 Requests are answered strictly in order, one response per request, with the same op and
-request id and the RESPONSE flag. Below, ``keys`` is ``u32 n`` then ``n`` 16-byte keys and
+request id and the RESPONSE flag, except an UNPIN sent with NO_REPLY: it gets no response
+(a shared-memory get is then one round trip, PIN, plus a one-way UNPIN that the daemon
+applies before the connection's next request). A NO_REPLY UNPIN that fails is answered
+with an error frame and the connection is closed. Below, ``keys`` is ``u32 n`` then ``n`` 16-byte keys and
 ``sizes`` is ``n`` u64; ``MISSING`` (2**64-1) marks an absent entry in a u64 array.
 
 ==========  ==========================================  =====================================
@@ -80,7 +83,7 @@ from .keys import KEY_BYTES, BlockKey
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "MAX_META", "MAX_BATCH", "MAX_DATA", "MISSING",
-    "FLAG_RESPONSE", "FLAG_ERROR", "Op", "ErrorCode", "Header",
+    "FLAG_RESPONSE", "FLAG_ERROR", "FLAG_NO_REPLY", "Op", "ErrorCode", "Header",
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "drain", "send_buffers", "local_host_id",
@@ -97,6 +100,7 @@ MISSING = (1 << 64) - 1
 
 FLAG_RESPONSE = 0x1
 FLAG_ERROR = 0x2
+FLAG_NO_REPLY = 0x4
 
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")

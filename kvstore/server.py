@@ -218,6 +218,8 @@ class _Connection:
     def _serve(self, h: P.Header) -> None:
         if h.flags & P.FLAG_RESPONSE:
             self._fail(h.op, h.request_id, ProtocolError("a client sent a response frame"))
+        if h.flags & P.FLAG_NO_REPLY and h.op != P.Op.UNPIN:
+            self._fail(h.op, h.request_id, ProtocolError("only UNPIN may be sent with NO_REPLY"))
         handler = self._handlers.get(h.op)
         if handler is None:
             self._fail(h.op, h.request_id, ProtocolError(
@@ -233,7 +235,9 @@ class _Connection:
             handler(h, meta)
         except (ProtocolError, AuthError) as e:
             self._fail(h.op, h.request_id, e)
-        except KVStoreError as e:  # StoreFull, CorruptBlock, ...: answer and keep serving
+        except KVStoreError as e:
+            if h.flags & P.FLAG_NO_REPLY:  # nobody waits for this answer: end the stream
+                self._fail(h.op, h.request_id, e)
             self._error(h.op, h.request_id, e)
         finally:
             if self.server.metrics is not None:
@@ -418,4 +422,5 @@ class _Connection:
         self.pins.subtract(need)
         self.pins = +self.pins
         self.store.unpin(keys, owner=self)
-        self._reply(h)
+        if not h.flags & P.FLAG_NO_REPLY:
+            self._reply(h)
