@@ -61,6 +61,8 @@ class WorkerMetrics:
             self.store_bytes.labels(direction)
         for reason in ("missing", "corrupt"):
             self.store_blocks_bad.labels(reason)
+        for kind in ("prefill", "decode", "mixed"):
+            self.step_seconds.labels(kind)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
