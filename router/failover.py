@@ -1,0 +1,283 @@
+"""One choice's token stream across workers: prefill (retried once), then decode (resumed).
+
+``ChoiceRun.tokens()`` yields the output token chunks of one choice, in order, whatever
+happens to the workers underneath. The plan (``Plan``) says where it starts:
+
+- ``"disaggregated"``: ``phase="prefill"`` on ``plan.prefill`` gives the first token once every
+  full prompt block is in the store; then ``phase="decode"`` on a decode worker with
+  ``output_token_ids=[first]`` streams the rest.
+- ``"full"``: one worker prefills and decodes (colocated mode, or ``auto`` mode's local path).
+
+Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
+
+- A prefill that fails is retried once on another prefill worker (``prefill_retries``); a
+  ``"full"`` run that fails before its first token likewise.
+- A stream that breaks after tokens were sent resumes on another decode-capable worker with
+  ``phase="decode"`` and ``output_token_ids`` = every token sent so far: that worker loads the
+  prompt's full blocks from the store, recomputes the rest, and continues. Sampling
+  randomness is a function of ``(seed, position)``, so greedy and seeded requests continue
+  exactly as an uninterrupted run would. At most ``max_resumes`` times.
+- ``WorkerRejected`` (4xx) is not retried: the request itself is wrong.
+
+Whatever ends the stream early (the consumer stops at a stop string, the client disconnects,
+an error), every worker still holding the request is told ``/abort`` (in the background, so
+a cancelled task still sends it). The worker bookkeeping the policies read (``Assignment``)
+is released in every case. Each phase's final stats go to the ``RequestRecord``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.api_types import GenerateChunk, GenerateFinal, GenerateRequest, SamplingParams
+from router.openai_types import BadRequest, ServiceUnavailable
+from router.policy import Assignment, blocks_needed, choose_decode
+from router.request_log import PhaseStats, RequestRecord
+from router.worker_client import WorkerRejected, WorkerUnavailable
+from router.worker_pool import WorkerHandle
+
+__all__ = ["Plan", "ChoiceRun", "RunHooks"]
+
+log = logging.getLogger(__name__)
+
+# Background abort tasks: held here so they are not garbage-collected before they run.
+_background: set[asyncio.Task[None]] = set()
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where a choice starts: ``kind``, the first worker, and the prefill estimate's token
+    split (``uncached_tokens`` is what the first worker is expected to compute)."""
+
+    kind: Literal["disaggregated", "full"]
+    first: WorkerHandle
+    uncached_tokens: int
+    mode_label: str                      # for the log record: disaggregated | colocated | auto-*
+
+
+@dataclass(slots=True)
+class RunHooks:
+    """Callbacks for metrics; all optional. ``on_phase(worker_id, phase, stats)`` after each
+    worker phase ends; ``on_failover(kind)`` with ``"prefill_retry"`` or ``"decode_resume"``;
+    ``on_route(worker_id, phase)`` when a worker is chosen for a phase."""
+
+    on_phase: Callable[[str, str, GenerateFinal], None] | None = None
+    on_failover: Callable[[str], None] | None = None
+    on_route: Callable[[str, str], None] | None = None
+
+
+@dataclass(eq=False)
+class ChoiceRun:
+    """The worker-facing half of one choice (see the module docstring)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None
+    plan: Plan
+    candidates: Callable[[str], Sequence[WorkerHandle]]   # phase -> eligible workers now
+    record: RequestRecord
+    hooks: RunHooks = field(default_factory=RunHooks)
+    max_prefill_retries: int = 1
+    max_resumes: int = 2
+    finish_reason: str | None = None
+    sent: list[int] = field(default_factory=list)
+    _live: dict[str, WorkerHandle] = field(default_factory=dict)
+    _failed: set[str] = field(default_factory=set)
+
+    # --- the stream ---------------------------------------------------------------------
+    async def tokens(self) -> AsyncIterator[GenerateChunk]:
+        """Output chunks in order; ``finish_reason`` is set once it ends normally."""
+        try:
+            phase = "full"
+            if self.plan.kind == "disaggregated":
+                async for chunk in self._prefill():
+                    yield chunk
+                if self.finish_reason is not None:
+                    return
+                phase = "decode"
+            async for chunk in self._stream(phase, self.plan.first if phase == "full" else None):
+                yield chunk
+        finally:
+            self._abort_live()
+
+    async def _prefill(self) -> AsyncIterator[GenerateChunk]:
+        rec = self.record
+        worker: WorkerHandle | None = self.plan.first
+        errors: list[str] = []
+        for attempt in range(self.max_prefill_retries + 1):
+            if worker is None:
+                break
+            rec.prefill_worker = worker.worker_id
+            rec.mark("prefill_start")
+            got: list[GenerateChunk] = []
+            try:
+                final = await self._run_phase(worker, "prefill", self.plan.uncached_tokens, got)
+            except WorkerUnavailable as exc:
+                errors.append(str(exc))
+                self._failed.add(worker.worker_id)
+                log.warning("request %s: prefill on %s failed (%s)", self.request_id,
+                            worker.worker_id, exc)
+                if attempt < self.max_prefill_retries:
+                    rec.prefill_retries += 1
+                    self._failover("prefill_retry")
+                worker = self._pick_prefill()
+                continue
+            rec.mark("prefill_end")
+            for chunk in got:
+                self.sent.extend(chunk.token_ids)
+                yield chunk
+            if final.finish_reason == "stop" or len(self.sent) >= self.sampling.max_tokens:
+                self.finish_reason = "stop" if final.finish_reason == "stop" else "length"
+            return
+        raise ServiceUnavailable(
+            "no prefill worker could take the request"
+            + (f": {'; '.join(errors)}" if errors else " (none is available)"))
+
+    async def _stream(self, phase: str, worker: WorkerHandle | None) -> AsyncIterator[GenerateChunk]:
+        rec = self.record
+        resumes = 0
+        retried = False
+        while True:
+            if worker is None:
+                worker = self._pick_decode()
+            if worker is None:
+                raise ServiceUnavailable(
+                    "no decode worker with enough free KV cache is available"
+                    + (" to resume the request" if self.sent else ""))
+            rec.decode_workers.append(worker.worker_id)
+            rec.mark("transfer_start")
+            if phase == "full":
+                rec.mark("prefill_start")
+            try:
+                async for chunk in self._phase_stream(worker, phase):
+                    rec.mark("decode_first")
+                    self.sent.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except WorkerUnavailable as exc:
+                self._failed.add(worker.worker_id)
+                log.warning("request %s: %s on %s failed after %d tokens (%s)", self.request_id,
+                            phase, worker.worker_id, len(self.sent), exc)
+                if phase == "full" and not self.sent and not retried:
+                    retried = True                       # nothing sent yet: a plain retry
+                    rec.prefill_retries += 1
+                    self._failover("prefill_retry")
+                else:
+                    resumes += 1
+                    if resumes > self.max_resumes:
+                        raise ServiceUnavailable(
+                            f"request {self.request_id}: gave up after {resumes - 1} resumes: {exc}"
+                        ) from exc
+                    rec.decode_resumes += 1
+                    self._failover("decode_resume")
+                    if self.sent:
+                        phase = "decode"    # continue from the store's blocks + sent tokens
+                worker = None
+
+    # --- one worker phase ---------------------------------------------------------------
+    async def _phase_stream(self, worker: WorkerHandle, phase: str) -> AsyncIterator[GenerateChunk]:
+        """Stream one decode/full phase; sets ``finish_reason`` from its final line."""
+        remaining = self.sampling.max_tokens - len(self.sent)
+        if remaining <= 0:
+            self.finish_reason = "length"
+            return
+        tokens = len(self.prompt_token_ids) + len(self.sent)
+        books = worker.load.assign(
+            prefill_tokens=self.plan.uncached_tokens if phase == "full" and not self.sent else 0,
+            blocks=blocks_needed(tokens, remaining, worker.info.block_size))
+        request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
+                                  list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
+        self._route(worker, phase)
+        try:
+            async for item in self._generate(worker, request):
+                if isinstance(item, GenerateFinal):
+                    self._finish_phase(worker, phase, item, books)
+                    self.finish_reason = item.finish_reason
+                    self.record.mark("decode_end")
+                    return
+                books.prefill_done()
+                if item.token_ids:
+                    yield item
+        finally:
+            books.release()
+
+    async def _run_phase(self, worker: WorkerHandle, phase: str, uncached: int,
+                         out: list[GenerateChunk]) -> GenerateFinal:
+        """Run a phase to its end, collecting its chunks (the prefill handoff)."""
+        books = worker.load.assign(prefill_tokens=uncached,
+                                   blocks=blocks_needed(len(self.prompt_token_ids), 1,
+                                                        worker.info.block_size))
+        request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
+                                  list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
+        self._route(worker, phase)
+        try:
+            async for item in self._generate(worker, request):
+                if isinstance(item, GenerateFinal):
+                    self._finish_phase(worker, phase, item, books)
+                    return item
+                out.append(item)
+        finally:
+            books.release()
+        raise WorkerUnavailable(worker.worker_id, "stream ended without a final line")
+
+    async def _generate(self, worker: WorkerHandle, request: GenerateRequest):
+        self._live[worker.worker_id] = worker
+        try:
+            async for item in worker.client.generate(request):
+                yield item
+        except WorkerRejected as exc:
+            self._live.pop(worker.worker_id, None)
+            raise BadRequest(f"the worker refused the request: {exc}") from exc
+        except WorkerUnavailable:
+            self._abort_live(only=worker.worker_id)  # a 5xx from a live worker: free it there
+            raise
+
+    def _finish_phase(self, worker: WorkerHandle, phase: str, final: GenerateFinal,
+                      books: Assignment) -> None:
+        self._live.pop(worker.worker_id, None)
+        books.prefill_done()
+        worker.load.observe_stats(final.stats)
+        self.record.add_phase(PhaseStats(worker.worker_id, phase, output_tokens=0,
+                                         stats=final.stats.to_json()))
+        if self.hooks.on_phase:
+            self.hooks.on_phase(worker.worker_id, phase, final)
+
+    # --- choices ------------------------------------------------------------------------
+    def _pick_prefill(self) -> WorkerHandle | None:
+        options = [w for w in self.candidates("prefill") if w.worker_id not in self._failed]
+        if not options:
+            return None
+        return min(options, key=lambda w: (w.load.pending_prefill_tokens, w.load.load, w.worker_id))
+
+    def _pick_decode(self) -> WorkerHandle | None:
+        options = {w.worker_id: w for w in self.candidates("decode")
+                   if w.worker_id not in self._failed}
+        remaining = max(1, self.sampling.max_tokens - len(self.sent))
+        chosen = choose_decode([w.load for w in options.values()],
+                               len(self.prompt_token_ids) + len(self.sent), remaining)
+        return None if chosen is None else options[chosen.worker_id]
+
+    def _route(self, worker: WorkerHandle, phase: str) -> None:
+        if self.hooks.on_route:
+            self.hooks.on_route(worker.worker_id, phase)
+
+    def _failover(self, kind: str) -> None:
+        if self.hooks.on_failover:
+            self.hooks.on_failover(kind)
+
+    # --- aborts -------------------------------------------------------------------------
+    def _abort_live(self, only: str | None = None) -> None:
+        """Tell every worker still holding the request to free it (fire and forget)."""
+        targets = [self._live.pop(only)] if only in self._live else (
+            [] if only is not None else list(self._live.values()))
+        if only is None:
+            self._live.clear()
+        for worker in targets:
+            task = asyncio.get_running_loop().create_task(worker.client.abort(self.request_id))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
