@@ -111,7 +111,7 @@ class WorkerClient:
         try:
             resp = await self._http.post("/abort", json={"request_id": request_id})
             return resp.status_code < 400
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: client already closed
             log.info("abort %s on %s failed: %r", request_id, self.worker_id, exc)
             return False
 

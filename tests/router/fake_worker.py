@@ -34,6 +34,9 @@ class FakeWorker:
         self.requests: list[GenerateRequest] = []
         self.break_after: int | None = None   # close a generate stream after N tokens
         self.snapshots = 0
+        self.script: list[int] | None = None  # ids to generate (default: prompt[-1] + 1, ...)
+        self.token_delay = 0.0
+        self.in_progress: set[str] = set()
         self._cond = asyncio.Condition()
         self._closing = False
         self._runner: web.AppRunner | None = None
@@ -104,12 +107,26 @@ class FakeWorker:
         resp = web.StreamResponse()
         await resp.prepare(req)
         start = len(gen.output_token_ids)
-        for i in range(start, gen.sampling.max_tokens):
-            if self.break_after is not None and i - start >= self.break_after:
-                return resp  # the stream ends without its final line
-            await resp.write(json.dumps({"token_ids": [gen.prompt_token_ids[-1] + 1 + i]}).encode() + b"\n")
-            await asyncio.sleep(0)
-        final = GenerateFinal("length", RequestStats(computed_prompt_tokens=len(gen.prompt_token_ids), prefill_s=0.01))
+        reason = "length"
+        self.in_progress.add(gen.request_id)
+        try:
+            for i in range(start, gen.sampling.max_tokens):
+                if self.break_after is not None and i - start >= self.break_after:
+                    return resp  # the stream ends without its final line
+                if self.script is not None and i >= len(self.script):
+                    reason = "stop"
+                    break
+                token = self.script[i] if self.script is not None else gen.prompt_token_ids[-1] + 1 + i
+                line: dict = {"token_ids": [token]}
+                if gen.sampling.logprobs is not None:
+                    top = [[token, -0.25]][: gen.sampling.logprobs]
+                    line["logprobs"] = [{"logprob": -0.25, "top": top}]
+                await resp.write(json.dumps(line).encode() + b"\n")
+                await asyncio.sleep(self.token_delay)
+        finally:
+            self.in_progress.discard(gen.request_id)
+        final = GenerateFinal(reason, RequestStats(computed_prompt_tokens=len(gen.prompt_token_ids),  # type: ignore[arg-type]
+                                                   device_hit_tokens=4, prefill_s=0.01))
         await resp.write(json.dumps(final.to_json()).encode() + b"\n")
         return resp
 

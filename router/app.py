@@ -1,0 +1,328 @@
+"""The router's OpenAI-compatible HTTP app (FastAPI).
+
+``create_app(config, pool=..., orchestrator_factory=...)`` wires the building blocks:
+
+- text in: :mod:`router.openai_types` parses and validates; the tokenizer encodes prompts or
+  renders the chat template; prompt + ``max_tokens`` is checked against the model's context.
+- placement: an :class:`~router.serving.Orchestrator` (built by ``orchestrator_factory`` from
+  the :class:`AppState`; the default is :class:`~router.colocated.ColocatedOrchestrator`)
+  streams each choice's token ids; :mod:`router.choices` turns them into text.
+- text out: :mod:`router.openai_responses` builds bodies and SSE chunks.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health`` (503 while no worker is known; says when etcd is
+unreachable), ``GET /metrics``. With ``config.api_key`` set, ``/v1/*`` needs
+``Authorization: Bearer <key>``. Admission control: past ``config.max_inflight_requests``
+requests in flight, new ones get 429. A client that disconnects mid-stream closes the choice
+streams, which aborts the request on its workers.
+
+The pool's lifecycle follows the app's (started in the lifespan, on the serving loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.api_types import WorkerInfo
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from router.choices import ChoiceResult, Delta, collect_choice, run_choice
+from router.colocated import ColocatedOrchestrator
+from router.config import RouterConfig
+from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from router.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
+from router.openai_types import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    ModelNotFound,
+    OpenAIError,
+    RequestOptions,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unauthorized,
+)
+from router.policy import PrefillPolicy
+from router.serving import Orchestrator, ServeRequest
+from router.worker_client import WorkerError, WorkerRejected
+from router.worker_pool import WorkerPool
+
+__all__ = ["AppState", "create_app"]
+
+
+@dataclass(eq=False)
+class AppState:
+    """Everything a request handler (and an orchestrator factory) needs."""
+
+    config: RouterConfig
+    tokenizer: Tokenizer
+    pool: WorkerPool
+    policy: PrefillPolicy
+    metrics: RouterMetrics
+    orchestrator: Orchestrator | None = None
+    in_flight: int = 0
+
+
+def _default_orchestrator(state: AppState) -> Orchestrator:
+    return ColocatedOrchestrator(state.pool, state.policy, state.metrics)
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    pool: WorkerPool | None = None,
+    tokenizer: Tokenizer | None = None,
+    metrics: RouterMetrics | None = None,
+    orchestrator_factory: Callable[[AppState], Orchestrator] = _default_orchestrator,
+) -> FastAPI:
+    """The app; ``pool`` defaults to one watching ``config.etcd`` (required then)."""
+    if pool is None:
+        if config.etcd is None:
+            raise ValueError("RouterConfig.etcd is required when no WorkerPool is given")
+        pool = WorkerPool.from_etcd(config.etcd, config.cluster, rates=config.rates,
+                                    client_timeout=config.worker_timeout_s)
+    state = AppState(config, tokenizer or Tokenizer.from_dir(config.model_dir), pool,
+                     PrefillPolicy(config.policy, pool.index), metrics or RouterMetrics())
+    state.orchestrator = orchestrator_factory(state)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await state.pool.start()
+        try:
+            yield
+        finally:
+            await state.pool.close()
+
+    app = FastAPI(title="kvrouter", lifespan=lifespan)
+    app.state.router = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_req: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                err = Unauthorized()
+                return JSONResponse(err.to_json(), status_code=err.status)
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvcache-store",
+                 "max_model_len": info.max_model_len}
+                for name, info in _served_models(state).items()]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = state.pool.health()
+        ok = body["workers"] > 0
+        body["status"] = ("ok" if state.pool.etcd_healthy else "degraded") if ok else "no workers"
+        body["in_flight"] = state.in_flight
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        for role in ("prefill", "decode", "colocated"):
+            state.metrics.workers.labels(role).set(
+                sum(1 for w in state.pool.workers() if w.info.role == role))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = CompletionRequest.parse(await _json_body(request))
+        model, info = _resolve_model(state, req.options.model)
+        prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p) for p in req.prompts]
+        return await _serve(state, "completion", model, info, prompts, req.options)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = ChatRequest.parse(await _json_body(request))
+        model, info = _resolve_model(state, req.options.model)
+        try:
+            ids = state.tokenizer.encode_chat(list(req.messages), req.add_generation_prompt,
+                                              **req.template_kwargs)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), param="messages") from exc
+        return await _serve(state, "chat", model, info, [ids], req.options)
+
+    return app
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _served_models(state: AppState) -> dict[str, WorkerInfo]:
+    models = state.pool.models()
+    alias = state.config.served_model_name
+    if alias and models:
+        return {alias: next(iter(models.values()))}
+    return models
+
+
+def _resolve_model(state: AppState, name: str) -> tuple[str, WorkerInfo]:
+    """(the workers' model name, one worker's info) for the client's ``model``."""
+    models = state.pool.models()
+    if name in models:
+        return name, models[name]
+    alias = state.config.served_model_name
+    if alias and name == alias:
+        if not models:
+            raise ServiceUnavailable("no worker is registered yet; retry shortly")
+        worker_model = next(iter(models))
+        return worker_model, models[worker_model]
+    if not models and not alias:
+        raise ServiceUnavailable("no worker is registered yet; retry shortly")
+    raise ModelNotFound(name, sorted(_served_models(state)))
+
+
+def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: int) -> int:
+    """The request's max_tokens, after checking it and the prompt fit the context."""
+    if not prompt:
+        raise BadRequest("the prompt encodes to no tokens", param="prompt")
+    if len(prompt) >= max_model_len:
+        raise BadRequest(f"the prompt has {len(prompt)} tokens; this model's context is "
+                         f"{max_model_len} tokens", param="prompt", code="context_length_exceeded")
+    room = max_model_len - len(prompt)
+    if options.max_tokens is None:
+        return room
+    if options.max_tokens > room:
+        raise BadRequest(f"max_tokens={options.max_tokens} plus the prompt's {len(prompt)} tokens "
+                         f"exceeds the context of {max_model_len} tokens; use at most {room}",
+                         param="max_tokens", code="context_length_exceeded")
+    return options.max_tokens
+
+
+async def _serve(state: AppState, kind: str, model: str, info: WorkerInfo,
+                 prompts: list[list[int]], options: RequestOptions) -> Response:
+    max_tokens = [_check_lengths(p, options, info.max_model_len) for p in prompts]
+    if state.in_flight >= state.config.max_inflight_requests:
+        state.metrics.requests.labels(kind, "429").inc()
+        raise TooManyRequests(f"the router is serving {state.in_flight} requests, its limit; "
+                              "retry with backoff")
+    fmt = ResponseFormatter(kind, options.model, state.tokenizer)  # type: ignore[arg-type]
+    arrival = time.monotonic()
+    serves = []
+    for i, prompt in enumerate(prompts):
+        state.metrics.prompt_tokens.inc(len(prompt))
+        for j in range(options.n):
+            index = i * options.n + j
+            sreq = ServeRequest(f"{fmt.id}-{index}", model, prompt,
+                                options.sampling(max_tokens[i], j), options.cache_salt)
+            serves.append(run_choice(state.orchestrator, state.tokenizer, state.metrics,  # type: ignore[arg-type]
+                                     sreq, options, index, arrival))
+    prompt_tokens = sum(len(p) for p in prompts)
+    if options.stream:
+        return StreamingResponse(_stream(state, fmt, kind, serves, options, prompt_tokens),
+                                 media_type="text/event-stream")
+    state.in_flight += 1
+    state.metrics.in_flight.inc()
+    tasks = [asyncio.create_task(collect_choice(s, i, options.logprobs is not None))
+             for i, s in enumerate(serves)]
+    try:
+        results = await asyncio.gather(*tasks)
+    except WorkerRejected as exc:
+        state.metrics.requests.labels(kind, "400").inc()
+        raise BadRequest(str(exc)) from exc
+    except WorkerError as exc:
+        state.metrics.requests.labels(kind, "503").inc()
+        raise ServiceUnavailable(str(exc)) from exc
+    except OpenAIError as exc:
+        state.metrics.requests.labels(kind, str(exc.status)).inc()
+        raise
+    finally:
+        state.in_flight -= 1
+        state.metrics.in_flight.dec()
+        for t in tasks:  # one choice failed (or we were cancelled): stop the others
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    state.metrics.requests.labels(kind, "200").inc()
+    return JSONResponse(fmt.response([_choice_json(fmt, r, options) for r in results],
+                                     _usage(prompt_tokens, results)))
+
+
+def _choice_json(fmt: ResponseFormatter, r: ChoiceResult, options: RequestOptions) -> dict[str, Any]:
+    logprobs = fmt.logprobs(r.token_ids, r.logprobs) if r.logprobs is not None else None
+    return fmt.choice(r.index, r.text, r.finish_reason, logprobs)
+
+
+def _usage(prompt_tokens: int, results: list[ChoiceResult]) -> dict[str, Any]:
+    cached = sum((r.stats.device_hit_tokens + r.stats.store_hit_tokens) for r in results if r.stats)
+    return usage_json(prompt_tokens, sum(len(r.token_ids) for r in results), cached)
+
+
+async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
+                  serves: list[AsyncIterator[Delta]], options: RequestOptions,
+                  prompt_tokens: int) -> AsyncIterator[bytes]:
+    """SSE body: every choice's deltas as they come, usage if asked, ``[DONE]``."""
+    queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+    async def pump(deltas: AsyncIterator[Delta]) -> None:
+        try:
+            async with aclosing(deltas) as stream:
+                async for d in stream:
+                    await queue.put(d)
+        except Exception as exc:  # reported in the stream, below
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    status = "200"
+    completion_tokens = 0
+    state.in_flight += 1
+    state.metrics.in_flight.inc()
+    tasks = [asyncio.create_task(pump(s)) for s in serves]
+    try:
+        if kind == "chat":
+            for i in range(len(serves)):
+                yield sse(fmt.role_chunk(i))
+        open_choices = len(tasks)
+        while open_choices:
+            item = await queue.get()
+            if item is None:
+                open_choices -= 1
+            elif isinstance(item, BaseException):
+                err = item if isinstance(item, OpenAIError) else ServiceUnavailable(str(item))
+                status = str(err.status)
+                yield sse(err.to_json())
+                break
+            elif item.text or item.finish_reason is not None or item.logprobs:
+                completion_tokens += len(item.token_ids)
+                lps = fmt.logprobs(item.token_ids, item.logprobs, item.text_offset) if item.logprobs else None
+                yield sse(fmt.chunk(item.index, item.text, item.finish_reason, lps))
+            else:
+                completion_tokens += len(item.token_ids)
+        if options.include_usage and status == "200":
+            yield sse(fmt.usage_chunk(usage_json(prompt_tokens, completion_tokens)))
+        yield SSE_DONE
+    except asyncio.CancelledError:
+        status = "499"  # the client went away
+        raise
+    finally:
+        # Book-keeping first: in a cancelled scope the await below may itself be cancelled.
+        state.in_flight -= 1
+        state.metrics.in_flight.dec()
+        state.metrics.requests.labels(kind, status).inc()
+        for t in tasks:  # closes each choice's stream: its workers abort the request
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -1,0 +1,69 @@
+"""The router's configuration: one typed object, validated once, defaults in one place.
+
+The CLI (``kvrouter serve`` / ``up``), the environment and files all build a
+:class:`RouterConfig`; nothing else holds router defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.policy import PREFILL_POLICIES, PrefillPolicyName, RateConfig
+
+__all__ = ["RouterConfig", "Mode", "MODES"]
+
+Mode = Literal["disaggregated", "colocated", "auto"]
+MODES: tuple[str, ...] = ("disaggregated", "colocated", "auto")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs to start.
+
+    ``model_dir``: the checkpoint whose tokenizer and chat template the router uses (it never
+    loads weights). ``served_model_name``: the name clients send as ``model`` (default: the
+    name the workers register). ``etcd``/``cluster``: where workers are discovered.
+    ``mode``: ``disaggregated`` (prefill pool → store → decode pool), ``colocated`` (one
+    worker does both; the rollback path) or ``auto`` (requests whose uncached part is shorter
+    than ``auto_threshold_tokens`` prefill on their decode worker). ``max_inflight_requests``:
+    admission control; past it requests get 429. ``api_key``: when set, ``/v1/*`` requires
+    ``Authorization: Bearer <api_key>``.
+    """
+
+    model_dir: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    etcd: str | None = None
+    cluster: str = "kvstore"
+    store: str | None = None              # kvstore address for store prefix lookups (None: via etcd)
+    mode: Mode = "disaggregated"
+    policy: PrefillPolicyName = "kv-aware"
+    auto_threshold_tokens: int = 256
+    max_inflight_requests: int = 512
+    api_key: str | None = None
+    request_log: str | None = None        # JSONL path for per-request records
+    worker_timeout_s: float = 5.0         # connect / unary calls to workers
+    stream_timeout_s: float = 300.0       # silence allowed between streamed tokens
+    rates: RateConfig = field(default_factory=RateConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir is required: the checkpoint directory holding tokenizer.json")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.policy not in PREFILL_POLICIES:
+            raise ValueError(f"policy must be one of {PREFILL_POLICIES}, got {self.policy!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.auto_threshold_tokens < 0:
+            raise ValueError("auto_threshold_tokens must be >= 0")
+        if self.max_inflight_requests < 1:
+            raise ValueError("max_inflight_requests must be >= 1")
+        if self.worker_timeout_s <= 0 or self.stream_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if not self.cluster or "/" in self.cluster:
+            raise ValueError(f"cluster must be a non-empty name without '/', got {self.cluster!r}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (use None to disable authentication)")

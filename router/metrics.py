@@ -1,0 +1,82 @@
+"""The router's Prometheus metrics, in a registry of its own (no process-wide state).
+
+Latencies: TTFT (arrival → first token), inter-token latency (between streamed tokens), TPOT
+((end - first token) / (tokens - 1)), end-to-end. Routing: decisions per worker and phase,
+decisions per kind (``disaggregated``, ``local``: auto mode prefilling on the decode worker,
+``colocated``). Cache: prompt tokens found in each tier (``device``, ``store``) and computed.
+Transfer: KV bytes and seconds to and from the store. Requests by endpoint and status.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.api_types import RequestStats
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+            1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+_FAST = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+class RouterMetrics:
+    """All router collectors; ``render()`` gives the ``/metrics`` body."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.ttft = Histogram("kvrouter_time_to_first_token_seconds",
+                              "Arrival to first token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("kvrouter_inter_token_latency_seconds",
+                             "Time between streamed tokens", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("kvrouter_time_per_output_token_seconds",
+                              "(end - first token) / (output tokens - 1)", buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("kvrouter_e2e_request_latency_seconds",
+                             "Arrival to last token", buckets=_LATENCY, registry=r)
+        self.decision_time = Histogram("kvrouter_routing_decision_seconds",
+                                       "Index lookup plus scoring", buckets=_FAST, registry=r)
+        self.routing_decisions = Counter("kvrouter_routing_decisions",
+                                         "Requests sent to each worker, by phase",
+                                         ["worker", "phase"], registry=r)
+        self.route_kind = Counter("kvrouter_route_kind",
+                                  "Requests by path: disaggregated, local (auto) or colocated",
+                                  ["kind"], registry=r)
+        self.prompt_tokens = Counter("kvrouter_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("kvrouter_generation_tokens", "Output tokens", registry=r)
+        self.prefix_hit_tokens = Counter("kvrouter_prefix_hit_tokens",
+                                         "Prompt tokens found cached, by tier", ["tier"], registry=r)
+        self.computed_prompt_tokens = Counter("kvrouter_computed_prompt_tokens",
+                                              "Prompt tokens computed by workers", registry=r)
+        self.transfer_bytes = Counter("kvrouter_kv_transfer_bytes",
+                                      "KV bytes moved to (save) or from (load) the store",
+                                      ["direction"], registry=r)
+        self.transfer_seconds = Counter("kvrouter_kv_transfer_seconds",
+                                        "Seconds spent moving KV to or from the store",
+                                        ["direction"], registry=r)
+        self.requests = Counter("kvrouter_requests", "Finished requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("kvrouter_requests_in_flight", "Requests being served", registry=r)
+        self.workers = Gauge("kvrouter_workers", "Known workers by role", ["role"], registry=r)
+        for tier in ("device", "store"):
+            self.prefix_hit_tokens.labels(tier)
+        for direction in ("save", "load"):
+            self.transfer_bytes.labels(direction)
+            self.transfer_seconds.labels(direction)
+
+    def observe_worker_stats(self, stats: RequestStats) -> None:
+        """Account one worker phase's final stats (cache hits, computed tokens, transfers)."""
+        self.prefix_hit_tokens.labels("device").inc(stats.device_hit_tokens)
+        self.prefix_hit_tokens.labels("store").inc(stats.store_hit_tokens)
+        self.computed_prompt_tokens.inc(stats.computed_prompt_tokens)
+        self.transfer_bytes.labels("save").inc(stats.kv_bytes_saved)
+        self.transfer_bytes.labels("load").inc(stats.kv_bytes_loaded)
+        self.transfer_seconds.labels("save").inc(stats.store_save_s)
+        self.transfer_seconds.labels("load").inc(stats.store_load_s)
+
+    def record_decision(self, worker_id: str, phase: str, seconds: float | None = None) -> None:
+        self.routing_decisions.labels(worker_id, phase).inc()
+        if seconds is not None:
+            self.decision_time.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
