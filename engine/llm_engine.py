@@ -41,7 +41,7 @@ import torch
 from engine.block_manager import BlockManager, KVEvent
 from engine.connector_api import EngineConnector
 from engine.engine_config import EngineConfig
-from engine.sampling import SamplingParams, sample, with_seed
+from engine.sampling import SamplerOutput, SamplingParams, sample, with_seed
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStats
 from kvstore.keys import BlockKey, namespace_id, salted
@@ -193,13 +193,12 @@ class LLMEngine:
             return outputs
         logits = self.runner.execute(self._step_items(plan))
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
-        if rows:
+        sampled = SamplerOutput([], [])
+        if rows:  # partial prefill chunks' logits are dropped
             if len(rows) != len(plan.chunks):
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             seqs = [plan.chunks[i].seq for i in rows]
             sampled = sample(logits, [s.sampling_params for s in seqs], [s.num_tokens for s in seqs])
-        else:
-            sampled = sample(logits[:0], [], [])
         for seq in self.scheduler.postprocess(plan, sampled):
             outputs.append(self._output(seq, seq.token_ids[-1:]))
         return outputs

@@ -214,3 +214,53 @@ def test_abort_mid_run_frees_blocks_and_spares_the_rest(tiny_llama_dir: Path) ->
     assert finals == {"drop": "abort", "keep": "length"}
     assert kept == oracle(str(tiny_llama_dir), tuple(PROMPTS[3]))[0]
     assert engine.block_manager.num_free_blocks == 64
+
+
+@pytest.fixture
+def store_address():
+    """A real kvstore daemon (BlockStore + StoreServer) served from a thread."""
+    import threading
+
+    from kvstore.server import StoreServer
+    from kvstore.store import BlockStore, StoreConfig
+
+    store = BlockStore(StoreConfig(memory_bytes=32 << 20))
+    server = StoreServer(store, host="127.0.0.1", port=0, node_id="test-node")
+    host, port = server.bind()
+    thread = threading.Thread(target=server.serve_forever, name="kvstore-test", daemon=True)
+    thread.start()
+    yield f"{host}:{port}"
+    server.shutdown()
+    thread.join(timeout=10)
+    store.close()
+
+
+def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path, store_address: str) -> None:
+    """Prefill engine saves to a real store; a second engine loads, computes only the tail."""
+    import kvstore
+    from engine.connector import KVStoreConnector
+    from engine.model_runner import ModelRunner
+
+    prompt = PROMPTS[4] + PROMPTS[2]  # 87 tokens: 5 full blocks + 7
+    cold = make_engine(tiny_llama_dir).generate([prompt], GREEDY)[0]
+    engines, connectors, clients = [], [], []
+    for _ in range(2):
+        client = kvstore.connect(store_address, timeout=30.0)  # the test machine is shared
+        runner = ModelRunner(tiny_llama_dir, num_blocks=64)
+        conn = KVStoreConnector(client, runner.kv_cache, save_all=True)
+        engines.append(LLMEngine(runner, EngineConfig(num_blocks=64), connector=conn))
+        connectors.append(conn)
+        clients.append(client)
+    try:
+        prefill = engines[0].generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+        assert prefill.token_ids == cold.token_ids[:1]
+        connectors[0].flush(None).result(timeout=30)  # every queued save acknowledged
+        assert connectors[0].stats.saved_blocks == 5, connectors[0].stats_snapshot()
+        decoded = engines[1].generate([prompt], GREEDY)[0]
+        assert decoded.stats.external_hit_tokens == 80, connectors[1].stats_snapshot()
+        assert decoded.token_ids == cold.token_ids
+        assert decoded.stats.computed_prompt_tokens == 7
+    finally:
+        for conn, client in zip(connectors, clients):
+            conn.close()
+            client.close()
