@@ -96,3 +96,20 @@ def test_smollm2_checkpoint_matches_transformers() -> None:
         )
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text)
+
+
+def test_tiny_checkpoint_matches_transformers(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    from engine.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama")
+    ours, hf = Tokenizer.from_dir(path), _hf(path)
+    for messages in CONVERSATIONS:
+        assert ours.apply_chat_template(messages) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+    for text in TEXTS:
+        assert ours.encode(text) == hf.encode(text)
+    # generation_config.json's extra end-of-sequence ids are stop ids too.
+    assert set(ours.eos_token_ids) == {hf.convert_tokens_to_ids("<|im_end|>"),
+                                       hf.convert_tokens_to_ids("<|endoftext|>")}
