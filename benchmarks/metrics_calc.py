@@ -1,0 +1,172 @@
+"""Per-request serving latencies and their summary: TTFT, TPOT, ITL, E2E, percentiles, goodput.
+
+Definitions (those of vLLM's ``benchmark_serving.py`` and DistServe):
+
+- TTFT: the request's send -> its first streamed token.
+- TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, the mean time per output token after the first.
+  Undefined (``None``) for a one-token output; such a request meets any TPOT objective.
+- ITL: the gaps between consecutive streamed token chunks.
+- E2E: the request's send -> the end of its stream.
+- Goodput: requests that finished without error and met both ``TTFT <= ttft_s`` and
+  ``TPOT <= tpot_s``, per second of benchmark duration. Attainment: that count over the
+  requests issued (failed ones count against it).
+- Percentiles: linear interpolation between closest ranks (NumPy's default), so the p50 of
+  ``[1, 2, 3, 4]`` is 2.5 and the p90 of ``0..10`` is 9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "RequestResult", "Slo", "Distribution", "Summary",
+    "percentile", "distribution", "summarize", "attainment_at_scales", "summarize_by_tag",
+]
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request. Times are seconds; ``sent_s`` is relative to the
+    benchmark's start and ``scheduled_s`` is when the workload asked for it to be sent."""
+
+    request_id: str
+    tag: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    scheduled_s: float = 0.0
+    sent_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None and self.e2e_s is not None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tpot_s"] = self.tpot_s
+        return d
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A pair of latency objectives (seconds)."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"SLO objectives must be positive, got {self}")
+
+    def scaled(self, k: float) -> "Slo":
+        return Slo(self.ttft_s * k, self.tpot_s * k)
+
+    def met(self, r: RequestResult) -> bool:
+        if not r.ok or r.ttft_s > self.ttft_s:
+            return False
+        tpot = r.tpot_s
+        return tpot is None or tpot <= self.tpot_s
+
+
+@dataclass(frozen=True)
+class Distribution:
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by linear interpolation; ``None`` for no values."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def distribution(values: Iterable[float | None]) -> Distribution | None:
+    xs = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if xs.size == 0:
+        return None
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+    return Distribution(int(xs.size), float(xs.mean()), float(p50), float(p90), float(p99), float(xs.max()))
+
+
+@dataclass(frozen=True)
+class Summary:
+    issued: int
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float  # completed requests per second
+    output_throughput: float  # output tokens per second
+    total_token_throughput: float  # (prompt + output) tokens of completed requests per second
+    ttft_s: Distribution | None
+    tpot_s: Distribution | None
+    itl_s: Distribution | None
+    e2e_s: Distribution | None
+    slo: Slo | None = None
+    good: int | None = None
+    goodput: float | None = None  # good requests per second
+    attainment: float | None = None  # good / issued
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | None = None) -> Summary:
+    """Summarize one run. ``duration_s``: the benchmark's wall time (start -> last completion)."""
+    if duration_s <= 0 and results:
+        raise ValueError(f"duration_s must be positive, got {duration_s}")
+    done = [r for r in results if r.ok]
+    per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+    out_tokens = sum(r.output_tokens for r in done)
+    good = sum(slo.met(r) for r in results) if slo is not None else None
+    return Summary(
+        issued=len(results),
+        completed=len(done),
+        failed=len(results) - len(done),
+        duration_s=duration_s,
+        request_throughput=len(done) * per_s,
+        output_throughput=out_tokens * per_s,
+        total_token_throughput=(out_tokens + sum(r.prompt_tokens for r in done)) * per_s,
+        ttft_s=distribution(r.ttft_s for r in done),
+        tpot_s=distribution(r.tpot_s for r in done),
+        itl_s=distribution(x for r in done for x in r.itl_s),
+        e2e_s=distribution(r.e2e_s for r in done),
+        slo=slo,
+        good=good,
+        goodput=None if good is None else good * per_s,
+        attainment=None if good is None else (good / len(results) if results else 0.0),
+    )
+
+
+def summarize_by_tag(results: Sequence[RequestResult], duration_s: float,
+                     slo: Slo | None = None) -> dict[str, Summary]:
+    """One summary per request tag (e.g. ``short`` and ``long`` of the mixed workload)."""
+    tags = sorted({r.tag for r in results})
+    return {t: summarize([r for r in results if r.tag == t], duration_s, slo) for t in tags}
+
+
+def attainment_at_scales(results: Sequence[RequestResult], slo: Slo,
+                         scales: Sequence[float]) -> list[float]:
+    """DistServe's SLO-scale curve: the attained fraction with both objectives times each scale."""
+    if not results:
+        return [0.0 for _ in scales]
+    return [sum(slo.scaled(k).met(r) for r in results) / len(results) for k in scales]

@@ -1,0 +1,225 @@
+"""Serving benchmark: drive an OpenAI-compatible endpoint with a seeded streaming workload.
+
+Measures per request TTFT, TPOT, ITL and E2E on the client (see ``load_client`` and
+``metrics_calc`` for the definitions), and prints one JSON line: the configuration, the
+machine, the workload's scaling, p50/p90/p99, throughput and, given objectives, goodput and
+attainment, overall and per request tag. ``--out DIR`` also writes every request as a JSON line
+and a PNG of the TTFT/TPOT/ITL distributions.
+
+    python -m benchmarks.serve_bench --url http://127.0.0.1:8000 --workload mixed --rate 2
+    python -m benchmarks.serve_bench --workload trace --trace-time-scale 4 --out results/trace
+    python -m benchmarks.serve_bench --workload multi_turn --rate 1 --slo-from-unloaded 3
+
+Objectives: ``--ttft-slo-ms``/``--tpot-slo-ms``, or ``--slo-from-unloaded N``: the median of N
+unloaded requests of the workload's typical shape, times ``--ttft-slo-mult`` (5) and
+``--tpot-slo-mult`` (2). Runs are bounded: nothing is sent after ``--max-duration`` seconds and
+whatever is in flight ``--grace`` seconds later is cancelled (and counted as failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from benchmarks.load_client import ClientConfig, RunOutcome, fetch_model, run_workload
+from benchmarks.metrics_calc import RequestResult, Slo, summarize, summarize_by_tag
+from benchmarks.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
+
+__all__ = ["add_bench_args", "build_workload", "client_config", "measure_unloaded", "run_point",
+           "machine_info", "Unloaded", "PointResult"]
+
+WORKLOADS = {"mixed": ("mixed", MixedSpec), "multi_turn": ("chat", ChatSpec), "trace": ("trace", TraceSpec)}
+
+
+def add_spec_args(parser: argparse.ArgumentParser, cls: type, prefix: str) -> None:
+    """One ``--{prefix}-{field}`` flag per field of a spec dataclass, default and help from it."""
+    group = parser.add_argument_group(f"{prefix or 'token space'} options")
+    for f in dataclasses.fields(cls):
+        flag = "--" + "-".join(x for x in (prefix, f.name.replace("_", "-")) if x)
+        dest, metavar = (f"{prefix}_{f.name}" if prefix else f.name), f.name.upper()
+        if f.type in (bool, "bool"):
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            group.add_argument(flag, dest=dest, metavar=metavar, type=kind, default=f.default,
+                               help=f"{f.metadata['help']} (default {f.default})")
+
+
+def spec_from_args(args: argparse.Namespace, cls: type, prefix: str) -> Any:
+    return cls(**{f.name: getattr(args, f"{prefix}_{f.name}" if prefix else f.name) for f in dataclasses.fields(cls)})
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Workload, client and objective flags shared by ``serve_bench`` and ``sweep``."""
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="mixed: requests (default 200); others: at most this many open-loop requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-duration", type=float, default=120.0, help="send nothing after this many seconds")
+    parser.add_argument("--grace", type=float, default=60.0, help="cancel what is in flight this long after that")
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--max-concurrency", type=int, default=0, help="0: unbounded (open loop)")
+    parser.add_argument("--prewarm-concurrency", type=int, default=4)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded TTFT")
+    parser.add_argument("--tpot-slo-mult", type=float, default=2.0, help="TPOT objective / unloaded TPOT")
+    parser.add_argument("--no-progress", action="store_true")
+    add_spec_args(parser, TokenSpace, "")
+    for prefix, cls in WORKLOADS.values():
+        add_spec_args(parser, cls, prefix)
+
+
+def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
+    """The workload the flags describe at ``rate`` (``None``: the trace's own timing)."""
+    space = spec_from_args(args, TokenSpace, "")
+    prefix, cls = WORKLOADS[args.workload]
+    spec = spec_from_args(args, cls, prefix)
+    if args.workload == "mixed":
+        wl = spec.build(args.num_requests or 200, rate or 1.0, seed, space)
+    elif args.workload == "multi_turn":
+        wl = spec.build(rate or 1.0, seed, space)
+    else:
+        wl = spec.build(rate, seed, space)
+    if args.num_requests and args.workload != "mixed":
+        wl = wl.truncate(args.num_requests)
+    wl.scaling.update(space=dataclasses.asdict(space), rate=rate, seed=seed)
+    return wl
+
+
+def client_config(args: argparse.Namespace, url: str, model: str) -> ClientConfig:
+    return ClientConfig(url, model, request_timeout_s=args.request_timeout, max_duration_s=args.max_duration,
+                        grace_s=args.grace, max_concurrency=args.max_concurrency, progress=not args.no_progress)
+
+
+def machine_info() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+            "processor": platform.processor() or platform.machine()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unloaded:
+    """Median latency of requests sent one at a time on an idle endpoint."""
+
+    prompt_tokens: int
+    max_tokens: int
+    ttft_s: float
+    tpot_s: float
+    samples: int
+
+    def slo(self, ttft_mult: float, tpot_mult: float) -> Slo:
+        return Slo(self.ttft_s * ttft_mult, self.tpot_s * tpot_mult)
+
+
+async def measure_unloaded(cfg: ClientConfig, shape: tuple[int, int], space: TokenSpace,
+                           n: int = 3, seed: int = 0) -> Unloaded:
+    """Send one warm-up and ``n`` requests of ``shape``, one at a time, each with fresh tokens
+    (no prefix hit between them); medians of the ``n``."""
+    rng = np.random.default_rng([seed, 99])
+    reqs = [BenchRequest(f"unloaded-{seed}-{i}", space.random(rng, shape[0]), shape[1], tag="unloaded")
+            for i in range(n + 1)]
+    out = await run_workload(reqs, dataclasses.replace(cfg, max_concurrency=1, progress=False), desc="unloaded")
+    byid = {r.request_id: r for r in out.results}
+    measured = [byid[r.request_id] for r in reqs[1:] if r.request_id in byid and byid[r.request_id].ok]
+    if not measured or any(r.tpot_s is None for r in measured):
+        errors = [r.error for r in out.results if r.error]
+        raise RuntimeError(f"unloaded measurement failed: {errors[:3]}")
+    return Unloaded(shape[0], shape[1], statistics.median(r.ttft_s for r in measured),
+                    statistics.median(r.tpot_s for r in measured), len(measured))
+
+
+@dataclasses.dataclass
+class PointResult:
+    record: dict[str, Any]  # the JSON line
+    results: list[RequestResult]
+
+
+async def run_point(workload: Workload, cfg: ClientConfig, slo: Slo | None, prewarm_concurrency: int = 4) -> PointResult:
+    """Pre-warm (untimed), then run the workload and summarize it."""
+    warm: dict[str, Any] = {"sent": 0}
+    if workload.prewarm:
+        t = time.perf_counter()
+        wcfg = dataclasses.replace(cfg, max_concurrency=prewarm_concurrency, max_duration_s=1e9)
+        w = await run_workload(workload.prewarm, wcfg, desc="prewarm")
+        warm = {"sent": len(w.results), "failed": sum(not r.ok for r in w.results),
+                "seconds": time.perf_counter() - t}
+    out: RunOutcome = await run_workload(workload.requests, cfg, desc=workload.name)
+    summary = summarize(out.results, out.duration_s, slo)
+    record = {
+        "workload": workload.name, "scaling": workload.scaling,
+        "requests": len(workload.requests), "not_sent": out.not_sent, "prewarm": warm,
+        "summary": summary.to_json(),
+        "by_tag": {k: v.to_json() for k, v in summarize_by_tag(out.results, out.duration_s, slo).items()},
+        "errors": sorted({r.error for r in out.results if r.error})[:5],
+    }
+    return PointResult(record, out.results)
+
+
+def write_requests(path: Path, results: list[RequestResult]) -> None:
+    with open(path, "w") as f:
+        for r in sorted(results, key=lambda r: r.sent_s):
+            f.write(json.dumps(r.to_json()) + "\n")
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or await fetch_model(args.url)
+    cfg = client_config(args, args.url, model)
+    workload = build_workload(args, args.rate, args.seed)
+    unloaded = None
+    slo = None
+    if args.ttft_slo_ms and args.tpot_slo_ms:
+        slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    elif args.slo_from_unloaded:
+        space = spec_from_args(args, TokenSpace, "")
+        unloaded = await measure_unloaded(cfg, workload.probe_shape(), space, args.slo_from_unloaded, args.seed)
+        slo = unloaded.slo(args.ttft_slo_mult, args.tpot_slo_mult)
+    point = await run_point(workload, cfg, slo, args.prewarm_concurrency)
+    record = {"bench": "serve_bench", "url": args.url, "model": model, "rate": args.rate,
+              "machine": machine_info(), "config": {k: v for k, v in vars(args).items()},
+              "unloaded": dataclasses.asdict(unloaded) if unloaded else None, **point.record}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_requests(out / "requests.jsonl", point.results)
+        from benchmarks.plots import plot_cdfs
+
+        title = f"{workload.name} @ {args.rate} req/s, {model}, {record['machine']['platform']}"
+        plot_cdfs(point.results, out / "latency_cdf.png", title, (slo.ttft_s, slo.tpot_s) if slo else None)
+        (out / "summary.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (loopback only)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="requests/s, Poisson (inf: all at once); trace default: its own timing")
+    parser.add_argument("--slo-from-unloaded", type=int, default=0, metavar="N",
+                        help="measure N unloaded requests first and derive the objectives from them")
+    parser.add_argument("--out", default=None, help="directory for requests.jsonl, summary.json, latency_cdf.png")
+    add_bench_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        record = asyncio.run(_main(args))
+    except (ValueError, RuntimeError, OSError, aiohttp.ClientError) as e:
+        sys.exit(f"serve_bench: {e}")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
