@@ -35,7 +35,7 @@ __all__ = ["EngineConnector"]
 class EngineConnector(Protocol):
     """What the scheduler needs from a KV connector. See the module docstring."""
 
-    def get_num_external_hits(self, seq: "Sequence", num_device_hit_tokens: int) -> int:
+    def get_num_external_hits(self, seq: Sequence, num_device_hit_tokens: int) -> int:
         """Tokens after the first ``num_device_hit_tokens`` of ``seq`` that the store holds.
 
         A multiple of ``block_size`` (only full blocks are stored): the keys are
@@ -45,7 +45,7 @@ class EngineConnector(Protocol):
         """
         ...
 
-    def load(self, seq: "Sequence", block_ids: SequenceABC[int]) -> int:
+    def load(self, seq: Sequence, block_ids: SequenceABC[int]) -> int:
         """Copy store blocks into ``block_ids``; return how many leading ones were loaded.
 
         ``block_ids`` are ``seq``'s blocks starting at index
@@ -56,11 +56,11 @@ class EngineConnector(Protocol):
         ...
 
     def save(
-        self, seq: "Sequence", block_ids: SequenceABC[int], keys: SequenceABC[BlockKey]
+        self, seq: Sequence, block_ids: SequenceABC[int], keys: SequenceABC[BlockKey]
     ) -> None:
         """Save these full, computed blocks under ``keys``; copy them out before returning."""
         ...
 
-    def request_finished(self, seq: "Sequence") -> None:
+    def request_finished(self, seq: Sequence) -> None:
         """``seq`` finished or was aborted; its blocks are about to be freed."""
         ...

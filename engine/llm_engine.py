@@ -29,6 +29,7 @@ Contracts:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class LLMEngine:
             connector=connector,
         )
         self._pending: list[RequestOutput] = []
+        self._generate_calls = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ class LLMEngine:
         """Run ``prompts`` to completion together (a convenience for tests and scripts)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        base = f"gen-{id(prompts):x}-"
+        base = f"generate-{next(self._generate_calls)}-"
         results = {f"{base}{i}": Completion(f"{base}{i}") for i in range(len(prompts))}
         for (rid, _), prompt, p in zip(results.items(), prompts, params, strict=True):
             self.add_request(rid, prompt, p)

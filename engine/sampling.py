@@ -130,6 +130,6 @@ def _logprobs(
         n = params[i].logprobs or 0
         top: tuple[tuple[int, float], ...] = ()
         if n:
-            top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
+            top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=False))
         out[i] = TokenLogprob(chosen_list[j], top)
     return out

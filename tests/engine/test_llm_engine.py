@@ -29,7 +29,7 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
     return hf_greedy(model_dir, list(prompt), NEW_TOKENS)
 
@@ -60,7 +60,7 @@ def test_greedy_equals_transformers_batched_and_chunked(model_dir: Path, record_
     engine = make_engine(model_dir, max_num_batched_tokens=32)  # chunks of the long prompts
     results = engine.generate(PROMPTS, GREEDY)
     check_against_hf(model_dir, PROMPTS, results, record_property)
-    assert all(r.stats.computed_prompt_tokens == len(p) for p, r in zip(PROMPTS, results))
+    assert all(r.stats.computed_prompt_tokens == len(p) for p, r in zip(PROMPTS, results, strict=False))
     assert engine.block_manager.num_free_blocks == 64
 
 
@@ -145,7 +145,7 @@ def test_logprobs_of_greedy_tokens(tiny_llama_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     result = make_engine(tiny_llama_dir).generate([PROMPTS[1]], params)[0]
     assert len(result.logprobs) == 8
-    for token, lp in zip(result.token_ids, result.logprobs):
+    for token, lp in zip(result.token_ids, result.logprobs, strict=False):
         assert lp.top[0][0] == token and lp.logprob == pytest.approx(lp.top[0][1])
         assert lp.logprob <= 0.0 and len(lp.top) == 3
 
@@ -261,6 +261,6 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
         assert decoded.token_ids == cold.token_ids
         assert decoded.stats.computed_prompt_tokens == 7
     finally:
-        for conn, client in zip(connectors, clients):
+        for conn, client in zip(connectors, clients, strict=False):
             conn.close()
             client.close()
