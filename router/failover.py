@@ -120,6 +120,8 @@ class ChoiceRun:
             except WorkerUnavailable as exc:
                 errors.append(str(exc))
                 self._failed.add(worker.worker_id)
+                rec.add_phase(PhaseStats(worker.worker_id, "prefill", ok=False, error=str(exc),
+                                         output_tokens=sum(len(c.token_ids) for c in got)))
                 log.warning("request %s: prefill on %s failed (%s)", self.request_id,
                             worker.worker_id, exc)
                 if attempt < self.max_prefill_retries:
@@ -153,6 +155,7 @@ class ChoiceRun:
             rec.mark("transfer_start")
             if phase == "full":
                 rec.mark("prefill_start")
+            before = len(self.sent)
             try:
                 async for chunk in self._phase_stream(worker, phase):
                     rec.mark("decode_first")
@@ -161,6 +164,8 @@ class ChoiceRun:
                 return
             except WorkerUnavailable as exc:
                 self._failed.add(worker.worker_id)
+                rec.add_phase(PhaseStats(worker.worker_id, phase, ok=False, error=str(exc),
+                                         output_tokens=len(self.sent) - before))
                 log.warning("request %s: %s on %s failed after %d tokens (%s)", self.request_id,
                             phase, worker.worker_id, len(self.sent), exc)
                 if phase == "full" and not self.sent and not retried:
@@ -193,15 +198,17 @@ class ChoiceRun:
         request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                   list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
         self._route(worker, phase)
+        produced = 0
         try:
             async for item in self._generate(worker, request):
                 if isinstance(item, GenerateFinal):
-                    self._finish_phase(worker, phase, item, books)
+                    self._finish_phase(worker, phase, item, books, produced)
                     self.finish_reason = item.finish_reason
                     self.record.mark("decode_end")
                     return
                 books.prefill_done()
                 if item.token_ids:
+                    produced += len(item.token_ids)
                     yield item
         finally:
             books.release()
@@ -218,7 +225,8 @@ class ChoiceRun:
         try:
             async for item in self._generate(worker, request):
                 if isinstance(item, GenerateFinal):
-                    self._finish_phase(worker, phase, item, books)
+                    self._finish_phase(worker, phase, item, books,
+                                       sum(len(c.token_ids) for c in out))
                     return item
                 out.append(item)
         finally:
@@ -238,11 +246,11 @@ class ChoiceRun:
             raise
 
     def _finish_phase(self, worker: WorkerHandle, phase: str, final: GenerateFinal,
-                      books: Assignment) -> None:
+                      books: Assignment, output_tokens: int) -> None:
         self._live.pop(worker.worker_id, None)
         books.prefill_done()
         worker.load.observe_stats(final.stats)
-        self.record.add_phase(PhaseStats(worker.worker_id, phase, output_tokens=0,
+        self.record.add_phase(PhaseStats(worker.worker_id, phase, output_tokens=output_tokens,
                                          stats=final.stats.to_json()))
         if self.hooks.on_phase:
             self.hooks.on_phase(worker.worker_id, phase, final)

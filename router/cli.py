@@ -1,0 +1,205 @@
+"""``kvrouter``: the OpenAI-compatible router, and the one-command local cluster.
+
+- ``kvrouter serve --etcd URL --cluster C --port 8000 --mode disaggregated|colocated|auto
+  --policy kv-aware|least-loaded|round-robin --auto-threshold N --api-key KEY --model DIR``:
+  the router alone, discovering workers in etcd. The API key may come from the
+  ``KVROUTER_API_KEY`` environment variable instead (keeps it out of ``ps``).
+- ``kvrouter up [--port 8000] [--prefill N] [--decode N] [--mode M] [--model default|DIR]``:
+  etcd (a child on free ports, unless ``--etcd``), a store daemon, the workers and the router,
+  each reported as it becomes ready; then a ``curl`` line and an ``openai`` snippet that work
+  as printed. Ctrl-C or SIGTERM stops every child (process groups) and exits 0.
+
+Every flag feeds one typed config (``RouterConfig`` / ``ClusterSpec``), validated once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("kvrouter")
+
+
+class _Stop(BaseException):
+    """Raised from the signal handler to unwind ``kvrouter up`` wherever it is."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from router.config import MODES, RouterConfig
+    from router.policy import PREFILL_POLICIES
+
+    d = RouterConfig(model_dir="default")
+    p = argparse.ArgumentParser(prog="kvrouter", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the router (workers are discovered in etcd)")
+    s.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
+    s.add_argument("--cluster", default=d.cluster)
+    s.add_argument("--host", default=d.host)
+    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--mode", choices=MODES, default=d.mode)
+    s.add_argument("--policy", choices=PREFILL_POLICIES, default=d.policy)
+    s.add_argument("--auto-threshold", type=int, default=d.auto_threshold_tokens,
+                   help="auto mode: uncached prompt tokens below which the decode worker prefills")
+    s.add_argument("--model", default="default",
+                   help="checkpoint directory whose tokenizer the router uses, or 'default'")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--store", default=None, help="a kvstore node host:port (default: via etcd)")
+    s.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KVROUTER_API_KEY, else off)")
+    s.add_argument("--max-inflight", type=int, default=d.max_inflight_requests)
+    s.add_argument("--request-log", default=None, help="append one JSON line per request here")
+    s.add_argument("--log-level", default="info")
+
+    u = sub.add_parser("up", help="run etcd, a store, workers and the router locally")
+    u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    u.add_argument("--decode", type=int, default=1, help="decode workers")
+    u.add_argument("--mode", choices=MODES, default="disaggregated")
+    u.add_argument("--policy", choices=PREFILL_POLICIES, default="kv-aware")
+    u.add_argument("--auto-threshold", type=int, default=None)
+    u.add_argument("--model", default="default", help="'default' or a checkpoint directory")
+    u.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
+    u.add_argument("--cluster", default="kvlocal")
+    u.add_argument("--threads-per-worker", type=int, default=1)
+    u.add_argument("--store-memory", default="512M")
+    u.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"))
+    u.add_argument("--request-log", default=None)
+    u.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
+    u.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
+    u.add_argument("--ready-timeout", type=float, default=180.0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _up(args)
+
+
+# --- kvrouter serve ------------------------------------------------------------------------
+
+def _serve(args: argparse.Namespace) -> int:
+    from router.config import RouterConfig
+    from router.launcher import LaunchError, resolve_model_dir
+    from router.server_main import run_router
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_dir = resolve_model_dir(args.model)
+        config = RouterConfig(
+            model_dir=str(model_dir), served_model_name=args.served_model_name, host=args.host,
+            port=args.port, etcd=args.etcd, cluster=args.cluster, store=args.store,
+            mode=args.mode, policy=args.policy, auto_threshold_tokens=args.auto_threshold,
+            max_inflight_requests=args.max_inflight, api_key=args.api_key or None,
+            request_log=args.request_log)
+    except (LaunchError, ValueError) as exc:
+        print(f"kvrouter: {exc}", file=sys.stderr)
+        return 2
+    return run_router(config, log_level=args.log_level)
+
+
+# --- kvrouter up ---------------------------------------------------------------------------
+
+def _say(line: str) -> None:
+    print(f"[up {time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
+def usage_banner(url: str, model: str, api_key: str | None) -> str:
+    """The ``curl`` line and ``openai`` snippet printed once the cluster is up."""
+    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return "\n".join([
+        "",
+        f"The router is up at {url} (OpenAI API under {url}/v1). Try:",
+        "",
+        f"curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+        "",
+        "python - <<'EOF'",
+        "from openai import OpenAI",
+        f"client = OpenAI(base_url={url + '/v1'!r}, api_key={api_key or 'none'!r})",
+        f"reply = client.chat.completions.create(model={model!r}, max_tokens=32,",
+        "    messages=[{'role': 'user', 'content': 'What is the capital of France?'}])",
+        "print(reply.choices[0].message.content)",
+        "EOF",
+        "",
+        "Ctrl-C stops everything.",
+    ])
+
+
+def _up(args: argparse.Namespace) -> int:
+    import httpx
+
+    from router.launcher import ClusterSpec, LaunchError, LocalCluster
+
+    try:
+        spec = ClusterSpec(
+            port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
+            mode=args.mode, policy=args.policy, auto_threshold=args.auto_threshold,
+            model=args.model, etcd=args.etcd, cluster=args.cluster,
+            threads_per_worker=args.threads_per_worker, store_memory=args.store_memory,
+            api_key=args.api_key or None, request_log=args.request_log, log_dir=args.log_dir,
+            ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg))
+    except ValueError as exc:
+        print(f"kvrouter up: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise _Stop(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = LocalCluster(spec, on_status=_say)
+    code = 0
+    try:
+        cluster.start()
+        assert cluster.router_url is not None
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        models = httpx.get(f"{cluster.router_url}/v1/models", headers=headers, timeout=5,
+                           trust_env=False).json()
+        print(usage_banner(cluster.router_url, models["data"][0]["id"], spec.api_key), flush=True)
+        code = _supervise(cluster)
+    except _Stop as stop:
+        _say(f"{signal.Signals(stop.args[0]).name}: stopping")
+    except LaunchError as exc:
+        print(f"kvrouter up: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        # A second Ctrl-C while stopping must not leave children behind.
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _say("all stopped")
+    return code
+
+
+def _supervise(cluster) -> int:
+    """Wait for a signal; report children that exit. The router, etcd or the store exiting
+    ends the cluster (exit 1); a worker exiting is reported and the rest keeps serving."""
+    reported: set[str] = set()
+    while True:
+        time.sleep(0.5)
+        for child in cluster.failed_children():
+            if child.name in reported:
+                continue
+            reported.add(child.name)
+            _say(f"{child.name} exited with code {child.proc.returncode}; its log: {child.log_path}")
+            if child.name in ("router", "etcd", "store"):
+                return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Assembles and runs one router process: app, placement, store lookups, etcd registration.
+
+``build_app(config)`` wires ``router.app.create_app`` with this package's ``Orchestrator``
+(disaggregated / colocated / auto placement with failover), a store client for the
+``kv-aware`` policy's store-hit lookups (``prefix_len``), and the per-request JSONL log.
+``run_router(config)`` serves it with uvicorn and registers the router in etcd under
+``/{cluster}/routers/{id}`` (lease-kept; gone within the TTL when the process dies). SIGTERM
+or SIGINT stop it gracefully (uvicorn's own handling); the registration, the store client and
+the request log are closed on the way out.
+
+Exit codes: 0 after a clean stop, 2 when it cannot start (tokenizer missing, etcd
+unreachable), with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvstore.errors import KVStoreError
+from router.config import RouterConfig
+from router.orchestrator import Orchestrator
+from router.request_log import RequestLog
+
+__all__ = ["RouterParts", "build_app", "run_router"]
+
+log = logging.getLogger("kvrouter")
+
+
+@dataclass(eq=False)
+class RouterParts:
+    """What ``build_app`` made, for the caller to close."""
+
+    app: FastAPI
+    request_log: RequestLog
+    store: Any | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - closing must go on
+                log.exception("closing a router part failed")
+        self.request_log.close()
+
+
+def _store_client(config: RouterConfig) -> Any | None:
+    import kvstore
+
+    try:
+        if config.store:
+            return kvstore.connect(config.store)
+        if config.etcd:
+            return kvstore.connect(etcd=config.etcd, cluster=config.cluster)
+    except Exception as exc:  # noqa: BLE001 - lookups are an optimization; route without them
+        log.warning("no store client (%s): kv-aware routing will count device hits only", exc)
+    return None
+
+
+def build_app(config: RouterConfig) -> RouterParts:
+    """The router's FastAPI app with this package's orchestrator (see the module docstring)."""
+    from router.app import AppState, create_app
+
+    request_log = RequestLog(config.request_log)
+    store = _store_client(config)
+    parts = RouterParts(app=None, request_log=request_log, store=store)  # type: ignore[arg-type]
+    if store is not None:
+        parts.closers.append(store.close)
+
+    def orchestrator(state: AppState) -> Orchestrator:
+        return Orchestrator(state.pool, state.policy, state.metrics, mode=config.mode,
+                            auto_threshold=config.auto_threshold_tokens,
+                            store_prefix=store.prefix_len if store is not None else None,
+                            request_log=request_log)
+
+    parts.app = create_app(config, orchestrator_factory=orchestrator)
+    return parts
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn whose SIGTERM/SIGINT handling ends ``run`` normally (uvicorn itself re-raises
+    the signal after shutting down, which would skip our clean-up and exit -15)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            def on_signal(_sig: int, _frame: Any) -> None:
+                if self.should_exit:          # a second signal: stop waiting for requests
+                    self.force_exit = True
+                self.should_exit = True
+
+            previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server(config)
+
+
+def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    import uvicorn
+
+    from kvstore.membership import Registration
+
+    try:
+        parts = build_app(config)
+    except (OSError, ValueError) as exc:
+        print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
+        return 2
+    registration = None
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+        host, port = sock.getsockname()[:2]
+        if config.etcd:
+            router_id = f"router-{uuid.uuid4().hex[:8]}"
+            registration = Registration(config.etcd, f"/{config.cluster}/routers/{router_id}", {
+                "address": f"http://{host}:{port}", "mode": config.mode, "policy": config.policy,
+                "model_dir": config.model_dir}).start()
+        server = _uvicorn_server(uvicorn.Config(parts.app, log_level=log_level.lower(),
+                                                access_log=False, timeout_graceful_shutdown=5))
+        log.info("serving on http://%s:%d (mode %s, policy %s)", host, port, config.mode,
+                 config.policy)
+        server.run(sockets=[sock])
+        return 0
+    except (OSError, KVStoreError) as exc:
+        print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if registration is not None:
+            registration.close()
+        parts.close()
