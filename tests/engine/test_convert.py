@@ -49,7 +49,7 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir) -> None:
         "The three primary colors are",
     ]
     prompts = [tok.encode(t).ids for t in texts]
-    runner = ModelRunner(smollm2_dir, num_blocks=32, block_size=16)
+    runner = ModelRunner(smollm2_dir, num_blocks=32, block_size=16, device="cpu")
     ours = runner_greedy(runner, prompts, 32)
     near_ties = 0
     for prompt, tokens in zip(prompts, ours):

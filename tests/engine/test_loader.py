@@ -114,8 +114,8 @@ def test_sharded_checkpoint_equals_single(tiny_qwen3_dir, tmp_path) -> None:
 
     prompt = list(range(10, 40))
     item = StepItem(prompt, 0, [0, 1])
-    sharded = ModelRunner(d, num_blocks=4).execute([item])
-    single = ModelRunner(tiny_qwen3_dir, num_blocks=4).execute([item])
+    sharded = ModelRunner(d, num_blocks=4, device="cpu").execute([item])
+    single = ModelRunner(tiny_qwen3_dir, num_blocks=4, device="cpu").execute([item])
     assert torch.equal(sharded, single)
 
     (d / "model-00002-of-00002.safetensors").unlink()
@@ -147,8 +147,8 @@ def test_dtype_and_device_resolution() -> None:
 
 def test_bfloat16_runs_close_to_float32(tiny_llama_dir) -> None:
     item = StepItem(list(range(20, 60)), 0, [0, 1, 2])
-    f32 = ModelRunner(tiny_llama_dir, num_blocks=4).execute([item])
-    bf16 = ModelRunner(tiny_llama_dir, num_blocks=4, dtype="bfloat16")
+    f32 = ModelRunner(tiny_llama_dir, num_blocks=4, device="cpu").execute([item])
+    bf16 = ModelRunner(tiny_llama_dir, num_blocks=4, dtype="bfloat16", device="cpu")
     assert bf16.kv_cache.dtype == torch.bfloat16
     out = bf16.execute([item])
     assert out.dtype == torch.float32 and (out - f32).abs().max() < 0.25 * f32.abs().max()

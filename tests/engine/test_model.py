@@ -25,7 +25,7 @@ def tiny_dir(request: pytest.FixtureRequest):
 
 
 def test_greedy_equals_transformers(tiny_dir) -> None:
-    runner = ModelRunner(tiny_dir, num_blocks=64, block_size=16)
+    runner = ModelRunner(tiny_dir, num_blocks=64, block_size=16, device="cpu")
     prompts = _prompts(runner.config.vocab_size)
     ours = runner_greedy(runner, prompts, MAX_NEW)
     near_ties = 0
@@ -38,7 +38,7 @@ def test_greedy_equals_transformers(tiny_dir) -> None:
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 24])
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir, chunk: int) -> None:
-    runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=16)
+    runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=16, device="cpu")
     prompt = _prompts(runner.config.vocab_size, seed=1)[-1]
     whole = runner.execute([StepItem(prompt, 0, list(range(5)))])
     for s in range(0, len(prompt), chunk):  # into other blocks: nothing leaks from the first run
@@ -48,7 +48,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, chunk: int) -> None:
 
 
 def test_mixed_batch_equals_each_alone(tiny_qwen3_dir) -> None:
-    runner = ModelRunner(tiny_qwen3_dir, num_blocks=128, block_size=16)
+    runner = ModelRunner(tiny_qwen3_dir, num_blocks=128, block_size=16, device="cpu")
     prompts = _prompts(runner.config.vocab_size, seed=2)
     alone = [runner_greedy(runner, [p], 12)[0] for p in prompts]
     assert runner_greedy(runner, prompts, 12) == alone
@@ -70,7 +70,7 @@ def test_mixed_batch_equals_each_alone(tiny_qwen3_dir) -> None:
 
 
 def test_bad_step_items_raise_and_touch_nothing(tiny_llama_dir) -> None:
-    runner = ModelRunner(tiny_llama_dir, num_blocks=8, block_size=16)
+    runner = ModelRunner(tiny_llama_dir, num_blocks=8, block_size=16, device="cpu")
     before = runner.kv_cache.clone()
     vocab, max_pos = runner.config.vocab_size, runner.config.max_position_embeddings
     bad = {
@@ -89,7 +89,7 @@ def test_bad_step_items_raise_and_touch_nothing(tiny_llama_dir) -> None:
 
 
 def test_kv_cache_shape_and_facts(tiny_qwen3_dir) -> None:
-    runner = ModelRunner(tiny_qwen3_dir, num_blocks=8, block_size=4)
+    runner = ModelRunner(tiny_qwen3_dir, num_blocks=8, block_size=4, device="cpu")
     c = runner.config
     assert runner.kv_cache.shape == (c.num_layers, 2, 8, 4, c.num_kv_heads, c.head_dim)
     assert runner.kv_cache.dtype == torch.float32
@@ -99,3 +99,20 @@ def test_kv_cache_shape_and_facts(tiny_qwen3_dir) -> None:
     facts = runner.facts()
     assert facts["block_size"] == 4 and facts["dtype"] == "float32"
     assert facts["config"]["head_dim"] == 32 and len(facts["weights"]) == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_greedy_equals_transformers(tiny_llama_dir) -> None:
+    runner = ModelRunner(tiny_llama_dir, num_blocks=64, block_size=16, device="cuda", dtype="float32")
+    assert runner.kv_cache.is_cuda
+    prompts = _prompts(runner.config.vocab_size)
+    ours = runner_greedy(runner, prompts, MAX_NEW)
+    near_ties = sum(
+        assert_same_greedy(tokens, *hf_greedy(tiny_llama_dir, prompt, MAX_NEW))
+        for prompt, tokens in zip(prompts, ours)
+    )
+    assert near_ties <= 1
+    bf16 = ModelRunner(tiny_llama_dir, num_blocks=64, device="cuda")  # the CUDA default dtype
+    assert bf16.dtype in (torch.bfloat16, torch.float16)
+    assert bf16.execute([StepItem(prompts[2], 0, [0])]).dtype == torch.float32
