@@ -35,7 +35,10 @@ def oracle(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], list[flo
 
 
 def make_engine(model_dir: Path, **cfg) -> LLMEngine:
+    """An engine on CPU float32 (the oracle's dtype) unless the test says otherwise."""
     cfg.setdefault("num_blocks", 64)
+    cfg.setdefault("device", "cpu")
+    cfg.setdefault("dtype", "float32")
     return LLMEngine(model_dir, EngineConfig(**cfg))
 
 
@@ -74,7 +77,8 @@ def test_unchunked_and_alone_equal_transformers(tiny_llama_dir: Path, record_pro
 
 def test_prefix_cache_hit_equals_cold_run_and_computes_less(tiny_llama_dir: Path) -> None:
     events: list[KVEvent] = []
-    engine = LLMEngine(tiny_llama_dir, EngineConfig(num_blocks=64), on_kv_event=events.append)
+    engine = LLMEngine(tiny_llama_dir, EngineConfig(num_blocks=64, device="cpu"),
+                       on_kv_event=events.append)
     base = PROMPTS[4]  # 64 tokens: 4 full blocks
     first = engine.generate([base], GREEDY)[0]
     stored = [k for e in events if e.type == "stored" for k in e.keys]
@@ -246,7 +250,7 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
     engines, connectors, clients = [], [], []
     for _ in range(2):
         client = kvstore.connect(store_address, timeout=30.0)  # the test machine is shared
-        runner = ModelRunner(tiny_llama_dir, num_blocks=64)
+        runner = ModelRunner(tiny_llama_dir, num_blocks=64, device="cpu", dtype="float32")
         conn = KVStoreConnector(client, runner.kv_cache, save_all=True)
         engines.append(LLMEngine(runner, EngineConfig(num_blocks=64), connector=conn))
         connectors.append(conn)
@@ -264,3 +268,14 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
         for conn, client in zip(connectors, clients, strict=False):
             conn.close()
             client.close()
+
+
+@pytest.mark.gpu
+def test_cuda_engine_equals_transformers(tiny_llama_dir: Path, record_property) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = make_engine(tiny_llama_dir, device="cuda", dtype="float32", max_num_batched_tokens=32)
+    results = engine.generate(PROMPTS, GREEDY)
+    check_against_hf(tiny_llama_dir, PROMPTS, results, record_property)
+    bf16 = make_engine(tiny_llama_dir, device="cuda", dtype="bfloat16").generate(PROMPTS, GREEDY)
+    assert all(len(r.token_ids) == NEW_TOKENS for r in bf16)

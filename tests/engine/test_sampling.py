@@ -106,3 +106,14 @@ def test_unseeded_sampled_row_is_an_error() -> None:
         sample(LOGITS.unsqueeze(0), [SamplingParams(temperature=1.0)], [0])
     with pytest.raises(ValueError, match="rows"):
         sample(LOGITS.unsqueeze(0), [], [])
+
+
+@pytest.mark.gpu
+def test_cuda_logits_sample_the_same_tokens_as_cpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5))
+    params = [seeded(s, top_k=50 * s, top_p=1.0 - 0.1 * s) for s in range(6)]
+    positions = list(range(100, 106))
+    cpu = sample(logits, params, positions).token_ids
+    assert sample(logits.cuda(), params, positions).token_ids == cpu
