@@ -145,6 +145,10 @@ def create_app(
         req = CompletionRequest.parse(await _json_body(request))
         model, info = _resolve_model(state, req.options.model)
         prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p) for p in req.prompts]
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for p in prompts for t in p):
+            raise BadRequest(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1})",
+                             param="prompt")
         return await _serve(state, "completion", model, info, prompts, req.options)
 
     @app.post("/v1/chat/completions")

@@ -36,7 +36,8 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage_json(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int | None = None) -> dict[str, Any]:
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -111,7 +112,7 @@ class ResponseFormatter:
         """Logprobs of these output tokens in this kind's shape. ``text_offset``: where the
         first token's text starts in the choice's text (completions only)."""
         if self.kind == "chat":
-            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs)]}
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]}
         tokens = [self._token_text(t) for t in token_ids]
         offsets = []
         for text in tokens:

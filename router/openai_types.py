@@ -152,7 +152,8 @@ class RequestOptions:
         )
 
 
-def _options(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...], logprobs: int | None) -> RequestOptions:
+def _options(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...],
+             logprobs: int | None) -> RequestOptions:
     model = _get(body, "model", str, None, "a string")
     if not model:
         raise BadRequest("'model' is required", param="model")
@@ -284,7 +285,8 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not (isinstance(part, Mapping) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
                 raise BadRequest(f"{param}.content: only text parts are supported", param=f"{param}.content")
             texts.append(part["text"])
         content = "\n".join(texts)

@@ -4,7 +4,6 @@ and a fake worker; the official openai client talks to it unchanged."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
