@@ -73,6 +73,10 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tok = tokenizer.backend
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []        # every output id (for the fallback below)
+        self._decoded_len = 0            # characters of output decoded so far
+        self._fallback = False
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
             self._stream.step(self._tok, token_id)  # context only: its text is not output
@@ -98,7 +102,7 @@ class IncrementalDetokenizer:
             return Delta("", 0, None)
         out: list[str] = []
         for i, token_id in enumerate(token_ids):
-            piece = self._stream.step(self._tok, token_id)
+            piece = self._step(token_id)
             self.num_tokens += 1
             if not piece:
                 continue
@@ -110,6 +114,24 @@ class IncrementalDetokenizer:
                 out.append(self._held[:safe])
                 self._held = self._held[safe:]
         return Delta(self._record(out), len(token_ids))
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream decoder's next piece. Should it ever fail (tokenizers reports an
+        inconsistent prefix for some decoders), fall back to decoding all output ids and
+        emitting the stable difference: slower, never wrong."""
+        self._ids.append(token_id)
+        if not self._fallback:
+            try:
+                piece = self._stream.step(self._tok, token_id)
+                self._decoded_len += len(piece) if piece else 0
+                return piece
+            except Exception:  # noqa: BLE001 - any decoder failure takes the slow path
+                self._fallback = True
+        text = self._tok.decode(self._ids, skip_special_tokens=self._skip_special)
+        if text.endswith("\ufffd") or len(text) <= self._decoded_len:
+            return None
+        piece, self._decoded_len = text[self._decoded_len:], len(text)
+        return piece
 
     def flush(self) -> str:
         """The stream ended without a stop string: release the text held back."""

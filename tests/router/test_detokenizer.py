@@ -76,3 +76,17 @@ def test_normalize_stop() -> None:
     assert normalize_stop(None) == ()
     assert normalize_stop("x") == ("x",)
     assert normalize_stop(["a", "", "a", "b"]) == ("a", "b")
+
+
+def test_fallback_when_the_stream_decoder_fails(tokenizer) -> None:
+    class Broken:
+        def step(self, _tok, _id):
+            raise RuntimeError("InvalidPrefix")
+
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    head = "".join(detok.push([t]).text for t in ids[:5])
+    detok._stream = Broken()  # the decoder breaks mid-stream: the rest still comes out right
+    pieces = [detok.push([t]).text for t in ids[5:]] + [detok.flush()]
+    assert head + "".join(pieces) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
