@@ -15,7 +15,8 @@ Usage::
 This package imports neither the engine nor the router.
 """
 
-from .client import AsyncClient, Client, connect
+from .async_client import AsyncClient
+from .client import Client, connect
 from .errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 from .keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
 

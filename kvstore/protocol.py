@@ -86,7 +86,7 @@ __all__ = [
     "FLAG_RESPONSE", "FLAG_ERROR", "FLAG_NO_REPLY", "Op", "ErrorCode", "Header",
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
-    "error_code_for", "recv_exact", "drain", "send_buffers", "local_host_id",
+    "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
 ]
 
 MAGIC = b"KVSP"
@@ -254,6 +254,32 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         if got == 0:
             raise ConnectionError(f"peer closed the connection {n - pos} bytes short of a frame")
         pos += got
+
+
+def recv_buffers(sock: socket.socket, views: list) -> int:
+    """Fill every writable view in order with as few syscalls as the kernel allows
+    (``recvmsg_into``, up to ``_IOV_MAX`` views a call); return the bytes read. Raise
+    ``ConnectionError`` on EOF (a truncated frame)."""
+    bufs = [v for v in (memoryview(b).cast("B") for b in views) if v.nbytes]
+    total = sum(v.nbytes for v in bufs)
+    i = 0
+    while i < len(bufs):
+        if i + 1 == len(bufs):  # one left: recv_into is the cheaper call
+            got = sock.recv_into(bufs[i])
+        else:
+            got = sock.recvmsg_into(bufs[i: i + _IOV_MAX])[0]
+        if got == 0:
+            left = sum(v.nbytes for v in bufs[i:])
+            raise ConnectionError(f"peer closed the connection {left} bytes short of a frame")
+        while got:
+            b = bufs[i]
+            if got >= b.nbytes:
+                got -= b.nbytes
+                i += 1
+            else:
+                bufs[i] = b[got:]
+                got = 0
+    return total
 
 
 def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
