@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,13 @@ class Workload:
     scaling: dict[str, Any] = field(default_factory=dict)  # parameters and scaling, for results
 
     def probe_shape(self, min_output: int = 16) -> tuple[int, int]:
-        """(prompt tokens, max tokens) of a typical request: medians, output at least
-        ``min_output`` so that TPOT is measurable. Used to measure unloaded latency."""
-        p = int(np.median([len(r.prompt) for r in self.requests]))
-        o = int(np.median([r.max_tokens for r in self.requests]))
+        """(prompt tokens, max tokens) of a typical request: the medians over the requests of
+        the most common tag (the short ones of ``mixed``), output at least ``min_output`` so
+        that TPOT is measurable. Used to measure unloaded latency."""
+        tag = Counter(r.tag for r in self.requests).most_common(1)[0][0]
+        typical = [r for r in self.requests if r.tag == tag]
+        p = int(np.median([len(r.prompt) for r in typical]))
+        o = int(np.median([r.max_tokens for r in typical]))
         return p, max(o, min_output)
 
     def truncate(self, n: int) -> "Workload":

@@ -1,0 +1,79 @@
+"""Statistics of the serving benchmark against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.metrics_calc import (
+    RequestResult, Slo, attainment_at_scales, distribution, percentile, summarize, summarize_by_tag,
+)
+
+
+def req(rid: str, ttft: float | None, tpot: float, out: int, error: str | None = None, tag: str = "",
+        prompt: int = 100) -> RequestResult:
+    e2e = None if ttft is None else ttft + tpot * (out - 1)
+    return RequestResult(rid, tag, prompt, out, ttft_s=ttft, e2e_s=e2e, output_tokens=out,
+                         itl_s=[tpot] * (out - 1) if ttft is not None else [], error=error)
+
+
+def test_percentiles_interpolate_linearly():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(11)), 90) == 9.0
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+    d = distribution([4, None, 1, 3, 2])
+    assert (d.n, d.mean, d.p50, d.max) == (4, 2.5, 2.5, 4)
+    assert distribution([None]) is None
+
+
+def test_tpot_is_mean_time_per_token_after_the_first():
+    r = RequestResult("a", ttft_s=0.2, e2e_s=1.1, output_tokens=10)
+    assert r.tpot_s == pytest.approx(0.1)
+    assert RequestResult("b", ttft_s=0.2, e2e_s=0.2, output_tokens=1).tpot_s is None
+    assert RequestResult("c", ttft_s=0.2, e2e_s=1.0, output_tokens=5, error="HTTP 500").tpot_s is None
+
+
+RESULTS = [
+    req("a", 0.10, 0.05, 10),            # meets (0.2, 0.06)
+    req("b", 0.30, 0.05, 10),            # TTFT too slow
+    req("c", 0.10, 0.08, 10),            # TPOT too slow
+    req("d", 0.15, 0.0, 1),              # one token: no TPOT, meets
+    req("e", None, 0.0, 0, error="HTTP 500"),
+]
+
+
+def test_goodput_counts_requests_meeting_both_objectives():
+    s = summarize(RESULTS, duration_s=2.0, slo=Slo(0.2, 0.06))
+    assert (s.issued, s.completed, s.failed, s.good) == (5, 4, 1, 2)
+    assert s.goodput == pytest.approx(1.0)
+    assert s.attainment == pytest.approx(0.4)
+    assert s.request_throughput == pytest.approx(2.0)
+    assert s.output_throughput == pytest.approx(31 / 2.0)
+    assert s.total_token_throughput == pytest.approx((31 + 400) / 2.0)
+    assert s.ttft_s.p50 == pytest.approx(0.125)
+    assert s.ttft_s.mean == pytest.approx(0.1625)
+    assert s.tpot_s.n == 3 and s.tpot_s.max == pytest.approx(0.08)
+    assert s.itl_s.n == 27
+
+
+def test_no_objectives_no_goodput():
+    s = summarize(RESULTS, duration_s=2.0)
+    assert s.goodput is None and s.attainment is None and s.good is None
+
+
+def test_attainment_against_slo_scale():
+    att = attainment_at_scales(RESULTS, Slo(0.2, 0.06), [0.5, 1.0, 2.0])
+    assert att == pytest.approx([0.0, 0.4, 0.8])  # a failed request never attains
+    assert attainment_at_scales([], Slo(1, 1), [1.0]) == [0.0]
+
+
+def test_summary_by_tag_and_validation():
+    tagged = [req("s1", 0.1, 0.01, 5, tag="short"), req("l1", 1.0, 0.01, 2, tag="long")]
+    by = summarize_by_tag(tagged, 1.0, Slo(0.5, 0.1))
+    assert set(by) == {"long", "short"}
+    assert by["short"].good == 1 and by["long"].good == 0
+    with pytest.raises(ValueError):
+        Slo(0.0, 0.1)
+    with pytest.raises(ValueError):
+        summarize(tagged, 0.0)
