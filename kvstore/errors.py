@@ -13,7 +13,17 @@ __all__ = [
     "CorruptBlock",
     "AuthError",
     "ProtocolError",
+    "EtcdError",
+    "EtcdUnavailable",
+    "LeaseExpired",
+    "WatchCompacted",
+    "ETCD_START_HINT",
 ]
+
+ETCD_START_HINT = (
+    "is etcd running there? Start one with `etcd --listen-client-urls http://127.0.0.1:2379 "
+    "--advertise-client-urls http://127.0.0.1:2379` or pass the right --etcd URL"
+)
 
 
 class KVStoreError(Exception):
@@ -51,3 +61,23 @@ class ProtocolError(KVStoreError):
     """A peer sent something that is not valid protocol (bad magic or version, absurd length,
     unknown operation, truncated frame). The connection is closed; reconnect and retry, and
     check that client and daemon run the same protocol version."""
+
+
+class EtcdError(KVStoreError):
+    """etcd refused or failed a request (the message carries etcd's own reason)."""
+
+
+class EtcdUnavailable(EtcdError, StoreUnavailable):
+    """No etcd endpoint could be reached, or etcd has no leader. Retry later."""
+
+
+class LeaseExpired(EtcdError):
+    """The lease expired or never existed: grant a new one (and re-put its keys)."""
+
+
+class WatchCompacted(EtcdError):
+    """The watch start revision was compacted away: re-read the range and watch again."""
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
