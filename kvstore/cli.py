@@ -130,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_memory_bytes=parse_size(args.gpu_memory or 0), etcd=args.etcd, cluster=args.cluster,
         auth_token=args.auth_token or os.environ.get("KVSTORE_AUTH_TOKEN") or None,
         metrics_port=args.metrics_port, advertise=args.advertise,
+        registration_ttl=args.registration_ttl,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", help="token clients must present (or KVSTORE_AUTH_TOKEN)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     s.add_argument("--advertise", help="host:port registered in etcd (default: the bound address)")
+    s.add_argument("--registration-ttl", type=float, metavar="SECONDS",
+                   default=ServerConfig.registration_ttl,
+                   help="etcd lease TTL: a dead node leaves etcd within it (whole seconds, "
+                        f"at least 1; kept alive every TTL/3; default {ServerConfig.registration_ttl:g})")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(fn=_serve)
 

@@ -41,7 +41,8 @@ class ServerConfig:
     address registered in etcd; by default ``host:port``, or this machine's hostname when
     bound to a wildcard address. ``io_timeout`` bounds how long a half-received frame may
     stall before its connection is dropped; ``drain_timeout`` how long SIGTERM waits for
-    in-flight operations.
+    in-flight operations. ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
+    whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
     """
 
     memory_bytes: int
@@ -72,5 +73,7 @@ class ServerConfig:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if not self.cluster or "/" in self.cluster:
             raise ValueError(f"--cluster must be a non-empty name without '/', got {self.cluster!r}")
+        if not self.registration_ttl > 0:
+            raise ValueError(f"--registration-ttl must be positive seconds, got {self.registration_ttl}")
         if self.io_timeout <= 0 or self.drain_timeout < 0:
             raise ValueError("io_timeout must be positive and drain_timeout non-negative")

@@ -46,3 +46,8 @@ def test_unreachable_daemon_is_a_clear_error():
 def test_serve_rejects_bad_sizes():
     r = kvstore("serve", "--port", "0", "--memory", "lots")
     assert r.returncode == 2 and "512M" in r.stderr
+
+
+def test_serve_rejects_a_bad_registration_ttl():
+    r = kvstore("serve", "--port", "0", "--memory", "8M", "--registration-ttl", "0")
+    assert r.returncode == 2 and "--registration-ttl must be positive" in r.stderr

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 
@@ -21,7 +23,7 @@ from kvstore.placement import Placement
 pytestmark = pytest.mark.integration
 
 BLOCK = 4096
-DAEMON_TTL = 5.0  # `kvstore serve` registers with the default TTL
+DAEMON_TTL = 2.0  # `kvstore serve --registration-ttl`: short, so the expiry wait is too
 
 
 def _keys(tag: str, n: int) -> list[bytes]:
@@ -47,7 +49,8 @@ def cluster_name() -> str:
 
 
 def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
-    daemons = [start_daemon("--etcd", etcd, "--cluster", cluster_name) for _ in range(3)]
+    daemons = [start_daemon("--etcd", etcd, "--cluster", cluster_name,
+                            "--registration-ttl", str(DAEMON_TTL)) for _ in range(3)]
     by_id = {d.node_id: d for d in daemons}
     with ClusterClient(etcd, cluster_name) as cc, \
             ClusterClient(etcd, cluster_name, replicas=2) as cc2:
@@ -131,12 +134,21 @@ def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
             cc.put(late[:2], _values(late[:2]))
 
 
+def _lease_granted_ttl(etcd: str, key: str) -> int:
+    """The TTL the lease holding ``key`` was granted with (etcd's own view)."""
+    kv = httpx.post(f"{etcd}/v3/kv/range",
+                    json={"key": base64.b64encode(key.encode()).decode()}).json()["kvs"][0]
+    lease = httpx.post(f"{etcd}/v3/lease/timetolive", json={"ID": kv["lease"]}).json()
+    return int(lease["grantedTTL"])
+
+
 def test_daemon_registration_value(etcd, start_daemon, cluster_name):
-    d = start_daemon("--etcd", etcd, "--cluster", cluster_name)
+    d = start_daemon("--etcd", etcd, "--cluster", cluster_name, "--registration-ttl", "3")
     with EtcdClient(etcd) as ec:
         value = json.loads(ec.get(f"/{cluster_name}/stores/{d.node_id}"))
         assert value["address"] == d.address
         assert value["capacity"]["memory"] == 64 << 20
+        assert _lease_granted_ttl(etcd, f"/{cluster_name}/stores/{d.node_id}") == 3
         d.stop(signal.SIGTERM)  # a clean stop deregisters at once
         assert ec.get(f"/{cluster_name}/stores/{d.node_id}") is None
 
