@@ -121,8 +121,10 @@ def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> list[floa
 
 
 def block_tokens(seed: int, hash_id: int, n: int, space: TokenSpace) -> tuple[int, ...]:
-    """The ``n`` tokens of trace block ``hash_id``: a function of ``(seed, hash_id)`` only."""
-    rng = np.random.default_rng([seed, hash_id])
+    """The ``n`` tokens of trace block ``hash_id``: a function of ``(seed, hash_id)`` only.
+    (Random streams are keyed ``[seed, 1]`` contents, ``[seed, 2]`` timing, ``[seed, 3, id]``
+    trace blocks, ``[seed, 4]`` unloaded probes, so no two purposes share a stream.)"""
+    rng = np.random.default_rng([seed, 3, hash_id])
     return space.random(rng, n)
 
 

@@ -69,15 +69,18 @@ class FakeOpenAI:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
     def __enter__(self) -> "FakeOpenAI":
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True)
         started = threading.Event()
 
         def serve() -> None:
@@ -97,3 +100,31 @@ class FakeOpenAI:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+
+def main() -> None:
+    """``python -m tests.benchmarks.fake_openai --port P``: serve until SIGTERM (for ``sweep --launch``)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft", type=float, default=0.05)
+    parser.add_argument("--tpot", type=float, default=0.01)
+    args = parser.parse_args()
+    fake = FakeOpenAI(args.ttft, args.tpot)
+
+    async def serve() -> None:
+        runner = web.AppRunner(fake.app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", args.port).start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The rate sweep end to end against fake endpoints: one running, one launched by the sweep."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import pytest
+
+from benchmarks import sweep
+from tests.benchmarks.fake_openai import FakeOpenAI
+
+
+def point(rate: float, attainment: float) -> dict:
+    return {"rate": rate, "summary": {"attainment": attainment}}
+
+
+def test_max_rate_meeting_90_percent():
+    pts = [point(1, 1.0), point(2, 0.95), point(4, 0.85), point(8, 0.99)]
+    got = sweep.max_rate_meeting(pts)
+    assert got["tested"] == 2  # the recovery at 8 does not count: 4 already failed
+    assert got["interpolated"] == pytest.approx(2 + 0.5 * 2)  # 0.95 -> 0.85 crosses 0.9 halfway
+    assert sweep.max_rate_meeting([point(1, 0.5)]) == {"tested": None, "interpolated": None}
+    assert sweep.max_rate_meeting([point(1, 0.9), point(2, 1.0)]) == {"tested": 2, "interpolated": 2}
+
+
+def test_endpoint_of_a_launched_configuration():
+    assert sweep.Configuration("a", command="kvrouter up --port 8123").endpoint() == "http://127.0.0.1:8123"
+    assert sweep.Configuration("a", command="kvrouter up --port=9000").endpoint() == "http://127.0.0.1:9000"
+    assert sweep.Configuration("a", command="kvrouter up").endpoint() == "http://127.0.0.1:8000"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sweep_runs_each_configuration_over_the_rates(tmp_path, capsys):
+    port = free_port()
+    out = tmp_path / "sweep"
+    with FakeOpenAI(ttft_s=0.05, tpot_s=0.01) as fake:
+        sweep.main([
+            "--config", f"running={fake.url}",
+            "--launch", f"launched={sys.executable} -m tests.benchmarks.fake_openai --port {port}",
+            "--workload", "mixed", "--rates", "4,8", "--point-seconds", "1.2", "--unloaded-samples", "1",
+            "--mixed-short-prompt", "8", "--mixed-short-output", "4", "--mixed-long-prompt", "32",
+            "--mixed-long-output", "2", "--vocab-size", "300", "--no-progress", "--ready-timeout", "60",
+            "--out", str(out)])
+        received = len(fake.received)
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(rec["configs"]) == ["running", "launched"] and rec["rates"] == [4.0, 8.0]
+    for name, c in rec["configs"].items():
+        assert [p["rate"] for p in c["curve"]] == [4.0, 8.0]
+        assert all(p["failed"] == 0 and p["issued"] >= 1 for p in c["curve"])
+        assert c["unloaded"]["max_tokens"] == 16
+    # objectives come from the first configuration, fixed before any load
+    first = rec["configs"]["running"]
+    assert rec["configs"]["launched"]["slo"] == first["slo"]
+    assert first["slo"]["ttft_s"] == pytest.approx(5 * first["unloaded"]["ttft_s"])
+    lines = [json.loads(x) for x in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [(x["config"], x["rate"]) for x in lines] == [("running", 4), ("running", 8), ("launched", 4), ("launched", 8)]
+    reqs = {(x["config"], x["rate"]): x for x in lines}  # warm-up + 1 unloaded, then the points
+    assert received == 2 + reqs[("running", 4)]["summary"]["issued"] + reqs[("running", 8)]["summary"]["issued"]
+    for name in ("latency_vs_rate", "goodput_vs_rate", "goodput_vs_slo_scale"):
+        assert (out / f"{name}.png").stat().st_size > 1000
+    # point i uses the same prompts (ids carry the seed) in every configuration, fresh ones across points
+    def ids(name: str, rate: int) -> set[str]:
+        text = (out / "requests" / f"{name}_r{rate}.jsonl").read_text()
+        return {json.loads(x)["request_id"] for x in text.splitlines()}
+
+    assert ids("running", 4) == ids("launched", 4) and ids("running", 8) == ids("launched", 8)
+    assert not ids("running", 4) & ids("running", 8)
+    assert (out / "launched.log").exists()
