@@ -195,6 +195,7 @@ class LocalCluster:
         self.children: list[ChildProcess] = []
         self.etcd_url: str | None = spec.etcd
         self.router_url: str | None = None
+        self.worker_urls: dict[str, str] = {}      # child name -> http://host:port
         self.model_dir: Path | None = None
         self._tmp: str | None = None
         self.log_dir: Path | None = None
@@ -229,10 +230,24 @@ class LocalCluster:
         roles = (["colocated"] if spec.mode == "colocated"
                  else ["prefill"] * spec.prefill + ["decode"] * spec.decode)
         counts: dict[str, int] = {}
-        for role in roles:
+        before = self._registered("workers")
+        started = []
+        for role in roles:   # all at once: their start-up (imports, model load) overlaps
             counts[role] = counts.get(role, 0) + 1
-            self._start_worker(f"{role}-{counts[role] - 1}", role)
-        self._start_router(n_workers=len(roles))
+            started.append(self._spawn_worker(f"{role}-{counts[role] - 1}", role))
+        for child, role, url in started:
+            self._wait(child, lambda u=url: self._http.get(f"{u}/health").status_code == 200)
+            self.worker_urls[child.name] = url
+            self.on_status(f"{role} worker {child.name} ready at {url}")
+        self._wait(started[-1][0], lambda: self._registered("workers") >= before + len(roles))
+        self.router_url = self.start_router(expect_workers=len(roles))
+
+    def child(self, name: str) -> ChildProcess:
+        """The child called ``name`` (``etcd``, ``store``, ``prefill-0``, ``router``...)."""
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(f"no child named {name!r}; have {[c.name for c in self.children]}")
 
     def stop(self) -> None:
         """Stop every child, the last started first; idempotent."""
@@ -285,46 +300,51 @@ class LocalCluster:
         self._wait(child, lambda: self._registered("stores") >= 1)
         self.on_status(f"store ready on 127.0.0.1:{port} ({spec.store_memory} host memory)")
 
-    def _start_worker(self, name: str, role: str) -> None:
+    def _spawn_worker(self, name: str, role: str) -> tuple[ChildProcess, str, str]:
         spec = self.spec
         port = free_port()
         threads = str(spec.threads_per_worker)
-        before = self._registered("workers")
         child = self._spawn(name, self._py(
             "engine.cli", "serve", "--role", role, "--model", str(self.model_dir),
             "--port", str(port), "--etcd", self._etcd(), "--cluster", spec.cluster,
             "--threads", threads, *spec.worker_args),
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                  "TOKENIZERS_PARALLELISM": "false"})
-        self._wait(child, lambda: self._http.get(f"http://127.0.0.1:{port}/health").status_code == 200
-                   and self._registered("workers") > before)
-        self.on_status(f"{role} worker {name} ready on 127.0.0.1:{port}")
+        return child, role, f"http://127.0.0.1:{port}"
 
-    def _start_router(self, n_workers: int) -> None:
+    def start_router(self, *, name: str = "router", port: int | None = None,
+                     mode: str | None = None, policy: str | None = None,
+                     auto_threshold: int | None = None, cluster: str | None = None,
+                     request_log: str | None = None, expect_workers: int = 1) -> str:
+        """Start a router (the cluster's, or another one on the same etcd) and return its URL
+        once ``/health`` answers and it sees ``expect_workers`` workers (0: just answering)."""
         spec = self.spec
-        port = spec.port or free_port(spec.host)
-        argv = self._py("router.cli", "serve", "--etcd", self._etcd(), "--cluster", spec.cluster,
-                        "--host", spec.host, "--port", str(port), "--mode", spec.mode,
-                        "--policy", spec.policy, "--model", str(self.model_dir))
-        if spec.auto_threshold is not None:
-            argv += ["--auto-threshold", str(spec.auto_threshold)]
-        if spec.request_log:
-            argv += ["--request-log", spec.request_log]
+        port = port if port is not None else (spec.port or free_port(spec.host))
+        auto_threshold = auto_threshold if auto_threshold is not None else spec.auto_threshold
+        request_log = request_log or spec.request_log
+        argv = self._py("router.cli", "serve", "--etcd", self._etcd(),
+                        "--cluster", cluster or spec.cluster, "--host", spec.host,
+                        "--port", str(port), "--mode", mode or spec.mode,
+                        "--policy", policy or spec.policy, "--model", str(self.model_dir))
+        if auto_threshold is not None:
+            argv += ["--auto-threshold", str(auto_threshold)]
+        if request_log:
+            argv += ["--request-log", request_log]
         env = {"TOKENIZERS_PARALLELISM": "false"}
         if spec.api_key:
             env["KVROUTER_API_KEY"] = spec.api_key   # not on the command line (ps shows argv)
-        child = self._spawn("router", argv, env)
+        child = self._spawn(name, argv, env)
         url = f"http://{spec.host}:{port}"
 
         def ready() -> bool:
             resp = self._http.get(f"{url}/health")
-            if resp.status_code != 200:
-                return False
-            body = resp.json()
-            return int(body.get("workers", n_workers)) >= n_workers
+            if expect_workers == 0:
+                return resp.status_code in (200, 503)
+            return resp.status_code == 200 and int(resp.json().get("workers", 0)) >= expect_workers
         self._wait(child, ready)
-        self.router_url = url
-        self.on_status(f"router ready at {url} ({spec.mode}, {n_workers} worker(s))")
+        self.on_status(f"{name} ready at {url} ({mode or spec.mode}, "
+                       f"{expect_workers} worker(s))")
+        return url
 
     # -- helpers -----------------------------------------------------------------------
     def _etcd(self) -> str:

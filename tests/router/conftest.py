@@ -88,3 +88,60 @@ def tokenizer(tokenizer_dir: Path):
     from engine.tokenizer import Tokenizer as Wrapper
 
     return Wrapper.from_dir(tokenizer_dir)
+
+
+# --- real-process clusters (etcd, a store, workers, routers) for the end-to-end tests ----------
+#
+# Each test module that needs one builds its own cluster with ``cluster_factory`` (module
+# scoped, so the cluster is shared by the module's tests and stopped after them). The
+# cluster is ``router.launcher.LocalCluster``, the same code ``kvrouter up`` runs, on the
+# session's etcd, with the tiny deterministic checkpoint and one torch thread per worker.
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster_factory(etcd: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``make(**ClusterSpec fields) -> LocalCluster`` (started); all stopped at module end."""
+    import uuid
+
+    from router.launcher import ClusterSpec, LocalCluster
+
+    clusters: list[LocalCluster] = []
+
+    def make(**overrides) -> LocalCluster:
+        root = tmp_path_factory.mktemp("cluster")
+        spec = ClusterSpec(**{
+            "port": 0, "model": str(tiny_model_dir), "etcd": etcd,
+            "cluster": f"t{uuid.uuid4().hex[:10]}", "threads_per_worker": 1,
+            "store_memory": "64M", "log_dir": str(root / "logs"),
+            "request_log": str(root / "requests.jsonl"), "ready_timeout": 120.0,
+            "stop_timeout": 5.0, **overrides})
+        cluster = LocalCluster(spec)
+        clusters.append(cluster)
+        cluster.start()
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model_dir: Path):
+    """``oracle(prompt_ids, n) -> token ids``: transformers' greedy continuation (EOS ignored)."""
+    import torch
+
+    from tests.engine.hf_oracle import hf_greedy
+
+    torch.set_num_threads(1)
+
+    def run(prompt: list[int], max_new_tokens: int) -> list[int]:
+        return hf_greedy(tiny_model_dir, prompt, max_new_tokens)[0]
+
+    return run
