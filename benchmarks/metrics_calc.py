@@ -10,6 +10,10 @@ Definitions (those of vLLM's ``benchmark_serving.py`` and DistServe):
 - Goodput: requests that finished without error and met both ``TTFT <= ttft_s`` and
   ``TPOT <= tpot_s``, per second of benchmark duration. Attainment: that count over the
   requests issued (failed ones count against it).
+- Send lag: ``sent_s - scheduled_s``, how late the client itself was; a large lag means the
+  load generator, not the server, limited the offered rate.
+- Cached fraction: ``usage.prompt_tokens_details.cached_tokens`` over prompt tokens, summed
+  over the completed requests that report it (``None`` when none does).
 - Percentiles: linear interpolation between closest ranks (NumPy's default), so the p50 of
   ``[1, 2, 3, 4]`` is 2.5 and the p90 of ``0..10`` is 9.
 """
@@ -121,6 +125,8 @@ class Summary:
     tpot_s: Distribution | None
     itl_s: Distribution | None
     e2e_s: Distribution | None
+    send_lag_s: Distribution | None = None
+    cached_fraction: float | None = None
     slo: Slo | None = None
     good: int | None = None
     goodput: float | None = None  # good requests per second
@@ -138,6 +144,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | No
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
     out_tokens = sum(r.output_tokens for r in done)
     good = sum(slo.met(r) for r in results) if slo is not None else None
+    reporting = [r for r in done if r.cached_tokens is not None]
+    prompt_reporting = sum(r.prompt_tokens for r in reporting)
     return Summary(
         issued=len(results),
         completed=len(done),
@@ -150,6 +158,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | No
         tpot_s=distribution(r.tpot_s for r in done),
         itl_s=distribution(x for r in done for x in r.itl_s),
         e2e_s=distribution(r.e2e_s for r in done),
+        send_lag_s=distribution(r.sent_s - r.scheduled_s for r in results),
+        cached_fraction=sum(r.cached_tokens for r in reporting) / prompt_reporting if prompt_reporting else None,
         slo=slo,
         good=good,
         goodput=None if good is None else good * per_s,

@@ -235,7 +235,9 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
                     "curve": [{"rate": p["rate"], "ttft_p50": _stat(p, "ttft_s", "p50"), "ttft_p99": _stat(p, "ttft_s", "p99"),
                                "tpot_p50": _stat(p, "tpot_s", "p50"), "tpot_p99": _stat(p, "tpot_s", "p99"),
                                "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
-                               "issued": p["summary"]["issued"], "failed": p["summary"]["failed"]}
+                               "issued": p["summary"]["issued"], "failed": p["summary"]["failed"],
+                               "cached_fraction": p["summary"]["cached_fraction"],
+                               "send_lag_p99": _stat(p, "send_lag_s", "p99")}
                               for p in r["points"]]}
              for name, r in results.items()}
     return {"bench": "sweep", "workload": args.workload, "rates": rates, "quick": args.quick,

@@ -57,6 +57,18 @@ def test_goodput_counts_requests_meeting_both_objectives():
     assert s.itl_s.n == 27
 
 
+def test_send_lag_and_cached_fraction():
+    a = RequestResult("a", prompt_tokens=100, scheduled_s=1.0, sent_s=1.25, ttft_s=0.1, e2e_s=0.2,
+                      output_tokens=2, cached_tokens=64)
+    b = RequestResult("b", prompt_tokens=300, scheduled_s=2.0, sent_s=2.05, ttft_s=0.1, e2e_s=0.2,
+                      output_tokens=2, cached_tokens=0)
+    c = RequestResult("c", prompt_tokens=500, ttft_s=0.1, e2e_s=0.2, output_tokens=2)  # reports nothing
+    s = summarize([a, b, c], 1.0)
+    assert s.cached_fraction == pytest.approx(64 / 400)
+    assert s.send_lag_s.max == pytest.approx(0.25) and s.send_lag_s.p50 == pytest.approx(0.05)
+    assert summarize([c], 1.0).cached_fraction is None
+
+
 def test_no_objectives_no_goodput():
     s = summarize(RESULTS, duration_s=2.0)
     assert s.goodput is None and s.attainment is None and s.good is None
