@@ -2,24 +2,44 @@
 
 One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
 
-    .venv/bin/python benchmarks/store_bench.py --out benchmarks/results [--quick]
+    .venv/bin/python benchmarks/store_bench.py --out benchmarks/results [--quick] [--peer mooncake]
 
 For each block size (64 KiB, 360 KiB, 720 KiB, 1 MiB, 16 MiB) and batch (1, 64) it times
 ``Client.put`` and ``Client.get`` (into preallocated NumPy buffers) over the shared-memory
 path (``transport="auto"`` on the same host) and the TCP path (``transport="tcp"``), against
-a daemon started as a subprocess. In the same run it measures the two ceilings: a plain
-memory copy of the same batch (``np.copyto`` between preallocated, pre-touched buffers) and a
-raw loopback TCP socket (a separate process ``sendall``s the batch, this one ``recv_into``s
-the same buffers). Ratios: shm get / memcpy, TCP get / raw socket. Targets: batched gets of
-blocks >= 360 KiB reach >= 60% of each ceiling. A batch is capped at ``--max-batch-bytes``
-(fewer blocks of 16 MiB); the JSON records the batch actually used. Each figure is the
-best of ``--iters`` timed repetitions after one warm-up (the machine may be shared).
+a daemon started as a subprocess. In the same run it measures the two ceilings:
+
+- memcpy: ``np.copyto`` of the same batch from one pre-touched shared-memory region (the
+  same kind of memory as the daemon's arena) into the same destination buffers the gets
+  fill. ``memcpy_private`` copies from a private NumPy array instead, reported alongside:
+  where the kernel backs large private arrays with transparent huge pages but not shared
+  memory (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` = never), that copy is
+  up to ~2.5x faster than any copy out of shared memory can be, so it is not the ceiling
+  of the shared-memory path;
+- raw socket: loopback TCP from another process that ``sendmsg``s the whole batch as one
+  iovec from preallocated buffers, received here with ``recvmsg_into`` straight into the same
+  destination buffers, both sockets set up exactly as the client's (``tune_socket``: same
+  socket buffer sizes, same chunking). It is what the TCP path would be with a free protocol.
+
+Ratios: shm get / memcpy, TCP get / raw socket. Targets: batched gets of blocks >= 360 KiB
+reach >= 60% of each ceiling. The four are timed interleaved (one repetition of each in
+turn), so a burst of load from elsewhere hits them alike; each figure is the best of
+``--iters`` repetitions after one warm-up. A batch is capped at ``--max-batch-bytes`` (fewer
+blocks of 16 MiB); the JSON records the batch actually used.
+
+``--peer mooncake`` also runs Mooncake Store on the same cases in the same run: a driver
+(``benchmarks/peers/mooncake_driver.py``) runs in Mooncake's own virtual environment
+(``--mooncake-python``; ``benchmarks/peers/setup_mooncake.sh`` creates it), starts
+``mooncake_master`` with its HTTP metadata server on loopback, a storage process holding the
+memory and a client over protocol ``tcp``, and answers each case as JSON. This process never
+imports Mooncake. Target: both our paths beat it on every batched size from 360 KiB up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -38,10 +58,13 @@ sys.path.insert(0, str(REPO))
 
 from kvstore import Client  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
+from kvstore.protocol import recv_buffers, send_buffers, tune_socket  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]
 BATCHES = [1, 64]
+MOONCAKE_DRIVER = REPO / "benchmarks" / "peers" / "mooncake_driver.py"
+MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-venv" / "bin" / "python"
 
 
 def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
@@ -56,62 +79,148 @@ def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def _raw_sender(port: int, nbytes: int) -> None:
-    """Serve 'send me N bytes' requests from one preallocated buffer (the socket ceiling)."""
-    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+def _raw_sender(port: int, max_bytes: int) -> None:
+    """Serve 'send me COUNT x SIZE bytes' from one preallocated region, the whole batch in
+    one ``sendmsg`` iovec as the daemon sends a GET's blocks (the socket ceiling)."""
+    src = np.random.default_rng(1).integers(0, 256, max_bytes, dtype=np.uint8)
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hdr = bytearray(16)
+        tune_socket(s, None)
+        hdr = memoryview(bytearray(16))
         while True:
-            view = memoryview(hdr)
-            got = 0
-            while got < 16:
-                n = s.recv_into(view[got:])
-                if n == 0:
-                    return
-                got += n
+            try:
+                recv_buffers(s, [hdr])
+            except ConnectionError:
+                return
             size, count = np.frombuffer(hdr, "<u8").tolist()
-            for _ in range(count):
-                s.sendall(memoryview(src)[:size])
+            send_buffers(s, [src[i * size: (i + 1) * size] for i in range(count)])
 
 
 class RawSocket:
     """Loopback TCP from another process: the ceiling of the TCP path."""
 
-    def __init__(self, max_block: int) -> None:
+    def __init__(self, max_bytes: int) -> None:
         lsock = socket.socket()
         lsock.bind(("127.0.0.1", 0))
         lsock.listen(1)
         self.proc = mp.get_context("spawn").Process(
-            target=_raw_sender, args=(lsock.getsockname()[1], max_block), daemon=True)
+            target=_raw_sender, args=(lsock.getsockname()[1], max_bytes), daemon=True)
         self.proc.start()
         self.sock, _ = lsock.accept()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_socket(self.sock, None)
         lsock.close()
 
     def get(self, bufs: list[np.ndarray]) -> None:
-        size = bufs[0].nbytes
-        self.sock.sendall(np.array([size, len(bufs)], "<u8").tobytes())
-        for b in bufs:
-            view, got = memoryview(b), 0
-            while got < size:
-                got += self.sock.recv_into(view[got:])
+        self.sock.sendall(np.array([bufs[0].nbytes, len(bufs)], "<u8").tobytes())
+        recv_buffers(self.sock, bufs)
 
     def close(self) -> None:
         self.sock.close()
         self.proc.join(5)
 
 
-def timed(fn, iters: int) -> float:
-    """Best (minimum) seconds of ``fn()`` over ``iters`` runs after one warm-up: on a shared
-    machine the minimum is the least disturbed run, the usual throughput estimator."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+class Mooncake:
+    """Mooncake Store through its driver subprocess (see the module docstring)."""
+
+    def __init__(self, python: Path, memory: int, log_dir: Path) -> None:
+        if not python.exists():
+            raise SystemExit(
+                f"--peer mooncake: no Python at {python}. Create Mooncake's environment with "
+                "`bash benchmarks/peers/setup_mooncake.sh` (a venv with "
+                "mooncake-transfer-engine-non-cuda, plus Debian's libibverbs1), or pass "
+                "--mooncake-python PATH")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(python), str(MOONCAKE_DRIVER), "serve", "--memory", str(memory),
+             "--log-dir", str(log_dir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(log_dir / "mooncake_driver.log", "w"), text=True,
+            env=dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1"))
+        hello = self._read()
+        if not hello.get("ready"):
+            self.close()
+            raise SystemExit(f"--peer mooncake: Mooncake Store did not start: "
+                             f"{hello.get('error', hello)} (logs in {log_dir})")
+        self.version = hello.get("version")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            return {"error": f"the driver exited with code {self.proc.wait()}"}
+        return json.loads(line)
+
+    def case(self, block_bytes: int, batch: int, iters: int, seed: int) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "case", "block_bytes": block_bytes,
+                                          "batch": batch, "iters": iters, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        res = self._read()
+        if "error" in res:
+            raise SystemExit(f"--peer mooncake: {block_bytes} B x {batch} failed: {res['error']}")
+        return res
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def best_of(fns: dict, iters: int) -> dict[str, float]:
+    """Time each of ``fns`` once per round, ``iters`` rounds after one warm-up round; the
+    best (minimum) seconds of each: on a shared machine the least disturbed run."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in times.items()}
+
+
+def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, raw: RawSocket,
+             mooncake: Mooncake | None, seed: int) -> dict:
+    nbytes = size * batch
+    private = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    shared = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED), np.uint8)
+    np.copyto(shared, private)  # one pre-touched shared-memory region, like the arena
+    src = [shared[i * size: (i + 1) * size] for i in range(batch)]
+    src_private = [private[i * size: (i + 1) * size] for i in range(batch)]
+    dst = [np.ones(size, np.uint8) for _ in range(batch)]  # pre-touched pages
+    row: dict = {"block_bytes": size, "batch": batch}
+    keys = {name: [BlockKey(rng.bytes(16)) for _ in range(batch)] for name in ("shm", "tcp")}
+    clients = {"shm": shm, "tcp": tcp}
+    for name, client in clients.items():
+        put_times = []
+        for _ in range(iters + 1):
+            client.delete(keys[name])
+            t0 = time.perf_counter()
+            client.put(keys[name], src)
+            put_times.append(time.perf_counter() - t0)
+        row[f"{name}_put_gbps"] = nbytes / min(put_times[1:]) / 1e9
+        found = client.get(keys[name], dst)
+        assert all(found) and np.array_equal(dst[-1], src[-1]), "wrong bytes read back"
+    best = best_of({
+        "memcpy": lambda: [np.copyto(d, s) for d, s in zip(dst, src)],
+        "memcpy_private": lambda: [np.copyto(d, s) for d, s in zip(dst, src_private)],
+        "shm_get": lambda: shm.get(keys["shm"], dst),
+        "raw_socket": lambda: raw.get(dst),
+        "tcp_get": lambda: tcp.get(keys["tcp"], dst),
+    }, iters)
+    for name, client in clients.items():
+        client.delete(keys[name])
+    for name, s in best.items():
+        row[f"{name}_gbps"] = nbytes / s / 1e9
+    row["shm_get_vs_memcpy"] = row["shm_get_gbps"] / row["memcpy_gbps"]
+    row["tcp_get_vs_raw_socket"] = row["tcp_get_gbps"] / row["raw_socket_gbps"]
+    if mooncake is not None:
+        mc = mooncake.case(size, batch, iters, seed)
+        row["mooncake_put_gbps"], row["mooncake_get_gbps"] = mc["put_gbps"], mc["get_gbps"]
+        row["shm_get_vs_mooncake"] = row["shm_get_gbps"] / mc["get_gbps"]
+        row["tcp_get_vs_mooncake"] = row["tcp_get_gbps"] / mc["get_gbps"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def main() -> None:
@@ -120,15 +229,27 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations, smaller batches (< 1 min)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--memory", default="2G", help="daemon arena size")
+    ap.add_argument("--memory", default="2G", help="daemon arena size (and Mooncake's pool)")
     ap.add_argument("--max-batch-bytes", default=None, help="cap on one batch (bytes)")
+    ap.add_argument("--peer", choices=("mooncake",), action="append", default=[],
+                    help="also run this peer store on the same cases")
+    ap.add_argument("--mooncake-python", default=os.environ.get("KVSTORE_MOONCAKE_PYTHON",
+                                                                str(MOONCAKE_PYTHON_DEFAULT)),
+                    help="Python of Mooncake's own venv (default %(default)s)")
     args = ap.parse_args()
     iters = args.iters or (5 if args.quick else 15)
     cap = int(args.max_batch_bytes or (64 * MiB if args.quick else 512 * MiB))
     rng = np.random.default_rng(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
+    from kvstore.config import parse_size
+
+    mooncake = None
+    if "mooncake" in args.peer:
+        mooncake = Mooncake(Path(args.mooncake_python), parse_size(args.memory), out / "mooncake-logs")
     proc, address = start_daemon(args.memory)
-    raw = RawSocket(max(SIZES))
+    raw = RawSocket(max(min(cap, s * b) for s in SIZES for b in BATCHES))
     rows = []
     try:
         shm = Client(address)
@@ -137,51 +258,29 @@ def main() -> None:
         cases = [(s, b) for s in SIZES for b in BATCHES]
         for size, want in tqdm(cases, desc="store_bench", file=sys.stderr):
             batch = max(1, min(want, cap // size))
-            src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
-            dst = [np.ones(size, np.uint8) for _ in range(batch)]  # pre-touched pages
-            nbytes = size * batch
-            row = {"block_bytes": size, "batch": batch}
-            row["memcpy_gbps"] = nbytes / timed(
-                lambda: [np.copyto(d, s) for d, s in zip(dst, src)], iters) / 1e9
-            row["raw_socket_gbps"] = nbytes / timed(lambda: raw.get(dst), iters) / 1e9
-            for name, client in (("shm", shm), ("tcp", tcp)):
-                keys = [BlockKey(rng.bytes(16)) for _ in range(batch)]
-
-                def put() -> None:
-                    client.delete(keys)
-                    t0 = time.perf_counter()
-                    client.put(keys, src)
-                    put_times.append(time.perf_counter() - t0)
-
-                put_times: list[float] = []
-                for _ in range(iters + 1):
-                    put()
-                row[f"{name}_put_gbps"] = nbytes / min(put_times[1:]) / 1e9
-                found = client.get(keys, dst)
-                assert all(found) and np.array_equal(dst[-1], src[-1]), "wrong bytes read back"
-                row[f"{name}_get_gbps"] = nbytes / timed(lambda: client.get(keys, dst), iters) / 1e9
-                client.delete(keys)
-            row["shm_get_vs_memcpy"] = row["shm_get_gbps"] / row["memcpy_gbps"]
-            row["tcp_get_vs_raw_socket"] = row["tcp_get_gbps"] / row["raw_socket_gbps"]
-            rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            rows.append(run_case(size, batch, iters, rng, shm, tcp, raw, mooncake, args.seed))
         shm.close()
         tcp.close()
     finally:
         raw.close()
         proc.terminate()
         proc.wait(15)
+        if mooncake is not None:
+            mooncake.close()
 
     batched = [r for r in rows if r["batch"] > 1 and r["block_bytes"] >= 360 * KiB]
     targets = {
         "shm_get_ge_60pct_memcpy": all(r["shm_get_vs_memcpy"] >= 0.6 for r in batched),
         "tcp_get_ge_60pct_raw_socket": all(r["tcp_get_vs_raw_socket"] >= 0.6 for r in batched),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if mooncake is not None:
+        targets["shm_and_tcp_get_beat_mooncake"] = all(
+            min(r["shm_get_vs_mooncake"], r["tcp_get_vs_mooncake"]) > 1 for r in batched)
     plot = out / "store_bench.png"
     _plot(rows, plot)
     print(json.dumps({
         "bench": "store", "seed": args.seed, "quick": args.quick, "iters": iters,
+        "peers": {"mooncake": mooncake.version} if mooncake is not None else {},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "processor": platform.processor()},
         "targets_met": targets, "plot": str(plot), "results": rows,
@@ -194,23 +293,23 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, batch_kind in zip(axes, ("single", "batched")):
-        sel = [r for r in rows if (r["batch"] == 1) == (batch_kind == "single")]
-        labels = [f"{r['block_bytes'] // KiB} KiB\nx{r['batch']}" for r in sel]
+    series = [s for s in ("memcpy_gbps", "shm_get_gbps", "raw_socket_gbps", "tcp_get_gbps",
+                          "mooncake_get_gbps") if s in rows[0]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, batched in zip(axes, (False, True)):
+        sel = [r for r in rows if (r["batch"] > 1) == batched]
         x = np.arange(len(sel))
-        series = ["memcpy_gbps", "shm_get_gbps", "shm_put_gbps", "raw_socket_gbps",
-                  "tcp_get_gbps", "tcp_put_gbps"]
         w = 0.8 / len(series)
         for i, name in enumerate(series):
             ax.bar(x + i * w, [r[name] for r in sel], w, label=name.replace("_gbps", ""))
-        ax.set_xticks(x + 0.4 - w / 2, labels)
-        ax.set_title(f"{batch_kind} (batch {'1' if batch_kind == 'single' else 'up to 64'})")
+        ax.set_xticks(x + 0.4 - w / 2, [f"{r['block_bytes'] // KiB} KiB\nx{r['batch']}" for r in sel])
+        ax.set_title("batched gets (up to 64 blocks)" if batched else "single-block gets")
         ax.set_ylabel("GB/s")
+        ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"kvstore store_bench on {platform.node()} ({os.cpu_count()} CPUs)")
+    fig.suptitle(f"kvstore store_bench: get throughput ({os.cpu_count()} CPUs, {platform.machine()})")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=72)
 
 
 if __name__ == "__main__":

@@ -4,22 +4,15 @@ It owns the socket, the HELLO handshake, the optional mapping of the daemon's ar
 same-host shared-memory path) and request/response framing (``kvstore.protocol``). It is
 not thread-safe; ``Client`` serializes requests on it and replaces it after any failure.
 
-Socket set-up for bulk transfers (why each):
-- ``TCP_NODELAY``: a request is one small frame; waiting for Nagle would add a delay.
-- ``SO_RCVBUF``/``SO_SNDBUF`` of ``SOCKET_BUFFER`` bytes: fewer wake-ups per megabyte, so a
-  batch of blocks streams with fewer, larger ``recv_into`` calls. (Linux caps the value at
-  ``net.core.rmem_max``/``wmem_max``.)
-- The ``timeout`` is the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking socket, not
-  Python's ``settimeout``: the latter makes every ``recv`` a ``poll`` plus a ``recv``. A
-  timed-out call raises an ``OSError`` either way, which ``Client`` turns into
-  ``StoreUnavailable``.
+Its socket is set up by ``protocol.tune_socket`` (why each setting: see there); the
+``timeout`` bounds the connect and every later socket wait, and a timed-out call raises an
+``OSError``, which ``Client`` turns into ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +22,7 @@ from . import protocol as P
 from .arena import Arena
 from .errors import ProtocolError, StoreUnavailable
 
-__all__ = ["Connection", "Traffic", "parse_address", "tune_socket", "SOCKET_BUFFER"]
-
-SOCKET_BUFFER = 4 << 20
+__all__ = ["Connection", "Traffic", "parse_address"]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -40,22 +31,6 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"store address must be host:port, got {address!r}")
     return host.strip("[]"), int(port)
-
-
-def tune_socket(sock: socket.socket, timeout: float | None) -> None:
-    """Bulk-transfer settings (see the module docstring); ``timeout`` None blocks forever."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
-    sock.settimeout(None)
-    if timeout is not None:
-        sec = int(timeout)
-        tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 @dataclass
@@ -92,7 +67,7 @@ class Connection:
                                    "check that `kvstore serve` runs there and is reachable") from None
         conn = cls(sock, traffic)
         try:
-            tune_socket(sock, timeout)
+            P.tune_socket(sock, timeout)
             _, meta = conn.exchange(P.Op.HELLO, P.pack_json(
                 {"token": token, "host_id": P.local_host_id(), "pid": os.getpid()}))
             conn.hello = P.unpack_json(meta)

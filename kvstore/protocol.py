@@ -87,6 +87,7 @@ __all__ = [
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
+    "tune_socket", "SOCKET_BUFFER",
 ]
 
 MAGIC = b"KVSP"
@@ -105,6 +106,7 @@ FLAG_NO_REPLY = 0x4
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
+SOCKET_BUFFER = 4 << 20
 
 
 class Op(IntEnum):
@@ -244,6 +246,32 @@ def error_code_for(exc: BaseException) -> ErrorCode:
 
 
 # --- socket helpers shared by daemon and client --------------------------------------------
+
+
+def tune_socket(sock: socket.socket, timeout: float | None) -> None:
+    """Set a connected socket up for bulk transfers (daemon and client alike):
+
+    - ``TCP_NODELAY``: a request is one small frame; waiting for Nagle would add a delay.
+    - ``SO_RCVBUF``/``SO_SNDBUF`` of ``SOCKET_BUFFER`` bytes: fewer wake-ups per megabyte,
+      so a batch streams in fewer, larger ``recvmsg_into``/``sendmsg`` calls (Linux caps it
+      at ``net.core.rmem_max``/``wmem_max``).
+    - Blocking, with ``timeout`` as the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` rather than
+      Python's ``settimeout``, which turns every call into a ``poll`` plus a non-blocking
+      call (and a large ``sendmsg`` into many). A timed-out call raises an ``OSError``
+      (``BlockingIOError``); ``timeout`` None waits forever.
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF) if SOCKET_BUFFER else ():
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    sock.settimeout(None)
+    if timeout is not None:
+        sec = int(timeout)
+        tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

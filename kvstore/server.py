@@ -18,6 +18,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -112,7 +113,7 @@ class StoreServer:
                 if self._stopping.is_set():
                     break
                 raise
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            P.tune_socket(sock, self._io_timeout)
             conn = _Connection(self, sock, peer)
             with self._lock:
                 self._conns.add(conn)
@@ -165,6 +166,8 @@ class _Connection:
         self.pins: collections.Counter[BlockKey] = collections.Counter()
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._scratch: memoryview | None = None
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._handlers: dict[int, Callable[[P.Header, memoryview], None]] = {
             P.Op.HELLO: self._hello, P.Op.PUT: self._put, P.Op.GET: self._get,
             P.Op.CONTAINS: self._contains, P.Op.PREFIX_LEN: self._prefix_len,
@@ -196,19 +199,19 @@ class _Connection:
                 self.server._forget(self)
 
     def _read_header(self) -> P.Header | None:
-        """The next frame's header; None on a clean close or when the server is stopping."""
-        self.sock.settimeout(_IDLE_POLL_S)
-        got = 0
-        while got == 0:
+        """The next frame's header; None on a clean close or when the server is stopping.
+
+        The socket is blocking with the I/O timeout in the kernel (``tune_socket``); an idle
+        connection waits in ``poll`` instead, waking every ``_IDLE_POLL_S`` to notice
+        ``shutdown()``."""
+        while not self._poller.poll(_IDLE_POLL_S * 1000):
             if self.server._stopping.is_set():
                 return None
-            try:
-                got = self.sock.recv_into(self._hdr, P.HEADER_SIZE)
-            except socket.timeout:
-                continue
-            if got == 0:
-                return None
-        self.sock.settimeout(self.server._io_timeout)
+        if self.server._stopping.is_set():
+            return None
+        got = self.sock.recv_into(self._hdr, P.HEADER_SIZE)
+        if got == 0:
+            return None
         P.recv_exact(self.sock, self._hdr[got:])
         try:
             return P.unpack_header(self._hdr)
