@@ -5,7 +5,9 @@ A request is ``POST {base_url}/v1/completions`` with the prompt as token ids, ``
 exact) and ``temperature``. Timing is the client's own, from just before the request is
 written: a token event is an SSE chunk whose ``choices[0].text`` is not empty (a chunk that
 only carries a ``finish_reason`` is none); TTFT is the first event, ITLs the gaps between
-events, E2E the end of the stream. Output tokens come from ``usage.completion_tokens`` when
+events, E2E the end of the stream. A server may hold back a token whose text is empty (part
+of a UTF-8 character) and send it with the finish: when no chunk had text, TTFT is the first
+chunk with choices, the earliest the client learned of a token. Output tokens come from ``usage.completion_tokens`` when
 the server reports it, else from the number of token events. A request fails on a non-200
 status, an error object in the stream, a stream that ends without ``data: [DONE]``, its own
 timeout, or the run's time bound.
@@ -82,6 +84,7 @@ async def stream_completion(session: aiohttp.ClientSession, cfg: ClientConfig, r
     result.sent_s = start - t0
     events = 0
     last = start
+    first_choice: float | None = None
     usage: dict[str, Any] | None = None
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s)) as resp:
@@ -104,6 +107,8 @@ async def stream_completion(session: aiohttp.ClientSession, cfg: ClientConfig, r
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
+                if choices and first_choice is None:
+                    first_choice = now
                 if choices and choices[0].get("text"):
                     if events == 0:
                         result.ttft_s = now - start
@@ -121,6 +126,8 @@ async def stream_completion(session: aiohttp.ClientSession, cfg: ClientConfig, r
         result.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else events
         if usage:
             result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if result.ttft_s is None and first_choice is not None and result.output_tokens > 0:
+        result.ttft_s = first_choice - start  # every token's text was empty
     if result.ttft_s is None:
         result.error = "no token in the stream"
 

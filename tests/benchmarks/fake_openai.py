@@ -3,7 +3,9 @@
 It is not our router: it answers every request with ``max_tokens`` chunks of text ``"x"``, the
 first ``ttft_s`` after the request arrives and each next one ``tpot_s`` later, then a
 finish-only chunk, a usage chunk and ``data: [DONE]``. A prompt whose first token id is
-``FAIL_500`` gets HTTP 500; one starting with ``DROP`` loses its connection after two tokens.
+``FAIL_500`` gets HTTP 500; one starting with ``DROP`` loses its connection after two tokens;
+one starting with ``SILENT`` sends no text at all, only the finish (as a router does with
+tokens whose text is empty).
 It runs on its own event loop in a thread, so a test can drive it with ``asyncio.run``.
 """
 
@@ -21,6 +23,7 @@ from aiohttp import web
 
 FAIL_500 = 1
 DROP = 2
+SILENT = 3
 
 
 @dataclass
@@ -56,7 +59,8 @@ class FakeOpenAI:
             if prompt[0] == DROP and i == 2:
                 request.transport.close()
                 return resp
-            await send(chunk("x"))
+            if prompt[0] != SILENT:
+                await send(chunk("x"))
         await send(chunk("", "length"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await send({"id": "cmpl-1", "object": "text_completion", "choices": [],

@@ -11,7 +11,7 @@ from benchmarks import serve_bench
 from benchmarks.load_client import ClientConfig, run_workload
 from benchmarks.metrics_calc import Slo, summarize
 from benchmarks.workloads import BenchRequest
-from tests.benchmarks.fake_openai import DROP, FAIL_500, FakeOpenAI
+from tests.benchmarks.fake_openai import DROP, FAIL_500, SILENT, FakeOpenAI
 
 TTFT, TPOT = 0.15, 0.03
 SLACK = 0.08  # scheduling noise allowed on a loaded 2-core machine
@@ -61,6 +61,13 @@ def test_open_loop_sends_on_schedule_and_follow_ups_wait(fake):
     assert a_end + 0.2 <= res["a2"].sent_s < a_end + 0.2 + 0.05
     assert res["a3"].sent_s >= res["a2"].sent_s + res["a2"].e2e_s
     assert out.duration_s >= res["a3"].sent_s + res["a3"].e2e_s
+
+
+def test_tokens_without_text_count_from_the_finish_chunk(fake):
+    out = asyncio.run(run_workload([r("silent", n=1, first=SILENT)], cfg(fake)))
+    (res,) = out.results
+    assert res.ok and res.output_tokens == 1 and res.itl_s == []
+    assert TTFT <= res.ttft_s < TTFT + SLACK
 
 
 def test_failures_are_counted_and_never_good(fake):
