@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["Metrics", "scrape", "records", "record", "wait_until", "worker_id", "random_prompt",
-           "whole_chars"]
+           "whole_chars", "text_token_ids"]
 
 T = TypeVar("T")
 
@@ -77,12 +77,19 @@ def worker_id(url: str) -> str:
     return httpx.get(f"{url}/info", timeout=5, trust_env=False).json()["worker_id"]
 
 
-def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
-    """``n`` token ids, deterministic in ``seed``, avoiding the special ids 0..2."""
+def text_token_ids(tokenizer: Any) -> list[int]:
+    """Ids whose text is printable ASCII: prompts of these end on a character boundary, so
+    the detokenizer's prompt context cannot join a half character to the first output."""
+    return [i for i in range(tokenizer.vocab_size)
+            if (t := tokenizer.decode([i])) and t.isascii() and t.isprintable()]
+
+
+def random_prompt(n: int, seed: int, ids: list[int]) -> list[int]:
+    """``n`` token ids drawn from ``ids``, deterministic in ``seed``."""
     import random
 
     rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
+    return [rng.choice(ids) for _ in range(n)]
 
 
 

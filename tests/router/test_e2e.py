@@ -17,7 +17,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from engine.tokenizer import Tokenizer
 from router.launcher import LocalCluster
 from tests.router.cluster_probe import (random_prompt, record, scrape, wait_until, whole_chars,
-                                        worker_id)
+                                        text_token_ids, worker_id)
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,12 @@ class Env:
     model: str
     log: Path                     # the request log every router here appends to
     tokenizer: Tokenizer
+
+    def prompt(self, n: int, seed: int) -> list[int]:
+        """``n`` random ids of printable-ASCII tokens (deterministic in ``seed``)."""
+        if not hasattr(self, "_text_ids"):
+            self._text_ids = text_token_ids(self.tokenizer)
+        return random_prompt(n, seed, self._text_ids)
 
     def client(self, mode: str = "disaggregated") -> OpenAI:
         return OpenAI(base_url=f"{self.routers[mode]}/v1", api_key="unused", max_retries=0,
@@ -68,7 +74,7 @@ def test_openai_client_gets_the_oracle_text(env: Env, oracle, mode: str) -> None
         return whole_chars(tok.decode(oracle(prompt, n)))
 
     # completions, whole and streamed (a 40-token prompt: 2 full blocks + a partial one)
-    prompt = random_prompt(40, seed)
+    prompt = env.prompt(40, seed)
     r = client.completions.create(model=env.model, prompt=prompt, max_tokens=12, temperature=0,
                                   extra_body=NO_EOS)
     assert whole_chars(r.choices[0].text) == expect(prompt, 12)
@@ -78,7 +84,7 @@ def test_openai_client_gets_the_oracle_text(env: Env, oracle, mode: str) -> None
     assert rec["status"] == "ok" and rec["output_tokens"] == 12
     assert rec["mode"] == {"auto": "auto-remote"}.get(mode, mode)   # 40 uncached >= threshold
 
-    prompt = random_prompt(33, seed + 1)
+    prompt = env.prompt(33, seed + 1)
     stream = client.completions.create(model=env.model, prompt=prompt, max_tokens=9,
                                        temperature=0, stream=True, extra_body=NO_EOS)
     assert whole_chars("".join(c.choices[0].text for c in stream)) == expect(prompt, 9)
@@ -98,7 +104,7 @@ def test_openai_client_gets_the_oracle_text(env: Env, oracle, mode: str) -> None
 
 
 def test_n_choices_are_independent_requests(env: Env, oracle) -> None:
-    prompt = random_prompt(20, 99)
+    prompt = env.prompt(20, 99)
     r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=6, n=2,
                                         temperature=0, extra_body=NO_EOS)
     assert sorted(c.index for c in r.choices) == [0, 1]
@@ -110,7 +116,7 @@ def test_n_choices_are_independent_requests(env: Env, oracle) -> None:
 
 def test_auto_mode_prefills_short_uncached_parts_locally(env: Env) -> None:
     client, url = env.client("auto"), env.routers["auto"]
-    short, long = random_prompt(10, 201), random_prompt(80, 202)
+    short, long = env.prompt(10, 201), env.prompt(80, 202)
     again = long + [7, 8, 9, 10]      # 80 tokens (5 blocks) now cached, 4 uncached
     before = scrape(url)
     recs = []
@@ -130,7 +136,7 @@ def test_auto_mode_prefills_short_uncached_parts_locally(env: Env) -> None:
 def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None:
     client, url = env.client(), env.routers["disaggregated"]
     ids = {worker_id(u): u for n, u in env.cluster.worker_urls.items() if n.startswith("prefill")}
-    prefix = random_prompt(160, 300)                       # 10 full blocks
+    prefix = env.prompt(160, 300)                       # 10 full blocks
     first = client.completions.create(model=env.model, prompt=prefix + [5, 6, 7], max_tokens=2,
                                       extra_body=NO_EOS)
     holder = record(env.log, first.id)["prefill_worker"]
@@ -155,7 +161,7 @@ def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None
 
 def test_metrics_move_by_the_right_amounts(env: Env) -> None:
     url = env.routers["disaggregated"]
-    prompt = random_prompt(50, 400)                        # 3 full blocks (48 tokens) + 2
+    prompt = env.prompt(50, 400)                        # 3 full blocks (48 tokens) + 2
     before = scrape(url)
     r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=7,
                                         temperature=0, extra_body=NO_EOS)
@@ -222,7 +228,7 @@ def test_client_disconnect_aborts_the_request_on_its_workers(env: Env) -> None:
     aborted = lambda: scrape(decode_url).get("kvengine_requests_finished_total",  # noqa: E731
                                              finish_reason="abort")
     before = aborted()
-    body = {"model": env.model, "prompt": random_prompt(20, 500), "max_tokens": 1500,
+    body = {"model": env.model, "prompt": env.prompt(20, 500), "max_tokens": 1500,
             "stream": True, "ignore_eos": True}
     response_id, chunks = None, 0
     with httpx.stream("POST", f"{env.routers['disaggregated']}/v1/completions", json=body,

@@ -1,0 +1,173 @@
+"""Failures on real processes: a prefill worker killed mid-request, a decode worker killed
+mid-stream, etcd gone. The client must still get transformers' greedy text, and the router
+must say (in its request record and metrics) what it did.
+
+To kill a worker *while it holds the request*, the test freezes the candidate workers
+(SIGSTOP) before sending, learns from the router's metrics which one it chose, then kills
+that one and thaws the others. Freezes stay well under the workers' etcd lease TTL (5 s).
+The cluster here starts its own etcd (the launcher's child) so the last test can kill it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from engine.tokenizer import Tokenizer
+from router.launcher import ChildProcess, LocalCluster
+from tests.router.cluster_probe import (Metrics, random_prompt, record, scrape, wait_until,
+                                        text_token_ids, whole_chars, worker_id)
+
+pytestmark = pytest.mark.integration
+
+NO_EOS = {"ignore_eos": True}
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    url: str
+    model: str
+    log: Path
+    tokenizer: Tokenizer
+    names: dict[str, str]          # worker id -> child name
+
+    def prompt(self, n: int, seed: int) -> list[int]:
+        """``n`` random ids of printable-ASCII tokens (deterministic in ``seed``)."""
+        if not hasattr(self, "_text_ids"):
+            self._text_ids = text_token_ids(self.tokenizer)
+        return random_prompt(n, seed, self._text_ids)
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def workers(self, role: str) -> dict[str, ChildProcess]:
+        return {wid: self.cluster.child(name) for wid, name in self.names.items()
+                if name.startswith(role)}
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5, trust_env=False).json()
+
+
+@pytest.fixture(scope="module")
+def env(cluster_factory, tiny_model_dir: Path) -> Env:
+    cluster = cluster_factory(prefill=2, decode=2, mode="disaggregated", etcd=None)
+    url = cluster.router_url
+    model = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
+    names = {worker_id(u): name for name, u in cluster.worker_urls.items()}
+    return Env(cluster, url, model, Path(cluster.spec.request_log),
+               Tokenizer.from_dir(tiny_model_dir), names)
+
+
+def _chosen(env: Env, before: Metrics, candidates: dict[str, ChildProcess],
+            phase: str) -> Callable[[], str | None]:
+    """A poll: the candidate the router has routed one more ``phase`` to since ``before``."""
+    name = "kvrouter_routing_decisions_total"
+
+    def poll() -> str | None:
+        now = scrape(env.url)
+        return next((wid for wid in candidates
+                     if now.get(name, worker=wid, phase=phase) > before.get(name, worker=wid, phase=phase)),
+                    None)
+    return poll
+
+
+def _thaw(children: dict[str, ChildProcess]) -> None:
+    for child in children.values():
+        if child.alive():
+            child.signal_group(signal.SIGCONT)
+
+
+def test_prefill_worker_killed_mid_request_is_retried_elsewhere(env: Env, oracle) -> None:
+    prefill = env.workers("prefill")
+    prompt = env.prompt(40, 11)
+    before = scrape(env.url)
+    for child in prefill.values():
+        child.signal_group(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(env.client().completions.create, model=env.model,
+                                  prompt=prompt, max_tokens=8, temperature=0, extra_body=NO_EOS)
+            victim = wait_until(_chosen(env, before, prefill, "prefill"), 10, "a prefill decision")
+            prefill[victim].signal_group(signal.SIGKILL)     # dies holding the request
+            _thaw(prefill)
+            r = pending.result(timeout=60)
+    finally:
+        _thaw(prefill)
+    survivor = next(w for w in prefill if w != victim)
+    assert whole_chars(r.choices[0].text) == whole_chars(env.tokenizer.decode(oracle(prompt, 8)))
+    rec = record(env.log, r.id)
+    assert rec["prefill_retries"] == 1 and rec["prefill_worker"] == survivor
+    assert rec["phases"][0]["worker_id"] == victim and not rec["phases"][0]["ok"]
+    after = scrape(env.url)
+    assert (after.get("kvrouter_failovers_total", kind="prefill_retry")
+            - before.get("kvrouter_failovers_total", kind="prefill_retry")) == 1
+    # The dead worker leaves the router's view within its lease TTL.
+    wait_until(lambda: env.health()["workers"] == 3, 15, "the dead worker to be dropped")
+
+
+def test_decode_worker_killed_mid_stream_resumes_on_another(env: Env, oracle) -> None:
+    decode = env.workers("decode")
+    prompt, max_tokens = env.prompt(40, 12), 300      # 2 full blocks (32 tokens) + 8
+    received: list[str] = []
+    before = scrape(env.url)
+
+    def consume() -> None:
+        stream = env.client().completions.create(model=env.model, prompt=prompt,
+                                                 max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body=NO_EOS)
+        for chunk in stream:
+            received.append(chunk.id)
+            received.append(chunk.choices[0].text)
+
+    for child in decode.values():
+        child.signal_group(signal.SIGSTOP)
+    reader = threading.Thread(target=consume)
+    try:
+        reader.start()
+        victim = wait_until(_chosen(env, before, decode, "decode"), 10, "a decode decision")
+        decode[victim].signal_group(signal.SIGCONT)
+        wait_until(lambda: len(received) >= 12, 10, "tokens streamed by the first decode worker")
+        decode[victim].signal_group(signal.SIGKILL)            # dies mid-stream
+        _thaw(decode)
+        reader.join(60)
+    finally:
+        _thaw(decode)
+    assert not reader.is_alive()
+    survivor = next(w for w in decode if w != victim)
+    text = "".join(received[1::2])
+    assert whole_chars(text) == whole_chars(env.tokenizer.decode(oracle(prompt, max_tokens)))
+
+    rec = record(env.log, received[0])
+    assert rec["decode_resumes"] == 1 and rec["decode_workers"] == [victim, survivor]
+    assert rec["output_tokens"] == max_tokens and rec["finish_reason"] == "length"
+    failed, resumed = rec["phases"][1], rec["phases"][2]
+    assert failed["worker_id"] == victim and not failed["ok"] and failed["output_tokens"] > 0
+    assert resumed["worker_id"] == survivor and resumed["ok"]
+    sent_before = 1 + failed["output_tokens"]              # the prefill's token + the victim's
+    assert resumed["output_tokens"] == max_tokens - sent_before
+    # The survivor loaded the prompt's full blocks from the store and computed only the rest.
+    assert resumed["stats"]["store_hit_tokens"] == 32
+    assert resumed["stats"]["computed_prompt_tokens"] == 40 + sent_before - 32
+    after = scrape(env.url)
+    assert (after.get("kvrouter_failovers_total", kind="decode_resume")
+            - before.get("kvrouter_failovers_total", kind="decode_resume")) == 1
+
+
+def test_etcd_unreachable_keeps_serving_with_last_membership(env: Env, oracle) -> None:
+    env.cluster.child("etcd").signal_group(signal.SIGKILL)
+    health = wait_until(lambda: (h := env.health())["status"] == "degraded" and h, 20,
+                        "/health to report etcd unreachable")
+    assert "etcd unreachable" in health["membership"]
+    prompt = env.prompt(24, 13)
+    r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=5,
+                                        temperature=0, extra_body=NO_EOS)
+    assert whole_chars(r.choices[0].text) == whole_chars(env.tokenizer.decode(oracle(prompt, 5)))
