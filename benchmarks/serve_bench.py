@@ -198,7 +198,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         slo = unloaded.slo(args.ttft_slo_mult, args.tpot_slo_mult)
     point = await run_point(workload, cfg, slo, args.prewarm_concurrency)
     record = {"bench": "serve_bench", "url": args.url, "model": model, "rate": args.rate,
-              "machine": machine_info(), "config": {k: v for k, v in vars(args).items()},
+              "machine": machine_info(), "config": vars(args),
               "unloaded": dataclasses.asdict(unloaded) if unloaded else None, **point.record}
     if args.out:
         out = Path(args.out)

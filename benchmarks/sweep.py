@@ -206,17 +206,20 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     (out / "requests").mkdir(parents=True, exist_ok=True)
     rates = _rates(args)
     results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     ref: Unloaded | None = None
     with open(out / "sweep.jsonl", "a") as sink:
         for config in args.configs:
             launched = None
-            if config.command:
-                log = open(out / f"{config.name}.log", "w")
-                launched = Launched(config, log)
             try:
-                if launched:
+                if config.command:
+                    launched = Launched(config, open(out / f"{config.name}.log", "w"))
                     launched.wait_ready(args.ready_timeout)
                 unloaded, slo, points = await _run_config(args, config, rates, ref, out, sink)
+            except (RuntimeError, OSError, httpx.HTTPError, aiohttp.ClientError) as e:
+                failed[config.name] = f"{type(e).__name__}: {e}"  # the other configurations still run
+                print(f"[sweep] {config.name} failed: {e}", file=sys.stderr)
+                continue
             finally:
                 if launched:
                     launched.stop()
@@ -230,7 +233,8 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     scale_at = args.scale_at if args.scale_at is not None else len(rates) // 2
     title = (f"{args.workload}: TTFT <= {args.ttft_slo_mult:g}x, TPOT <= {args.tpot_slo_mult:g}x unloaded "
              f"({args.slo_ref}); {machine_info()['platform']}, {machine_info()['cpu_count']} CPUs")
-    _plot(results, out, title, scale_at)
+    if results:
+        _plot(results, out, title, scale_at)
     brief = {name: {**{k: v for k, v in r.items() if k != "points"},
                     "curve": [{"rate": p["rate"], "ttft_p50": _stat(p, "ttft_s", "p50"), "ttft_p99": _stat(p, "ttft_s", "p99"),
                                "tpot_p50": _stat(p, "tpot_s", "p50"), "tpot_p99": _stat(p, "tpot_s", "p99"),
@@ -243,7 +247,7 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     return {"bench": "sweep", "workload": args.workload, "rates": rates, "quick": args.quick,
             "point_seconds": args.point_seconds, "slo_scales": SLO_SCALES, "scale_at_rate": rates[min(scale_at, len(rates) - 1)],
             "scaling": build_workload(args, rates[0], args.seed * 1000).scaling, "machine": machine_info(),
-            "configs": brief, "out": str(out)}
+            "configs": brief, "failed": failed, "out": str(out)}
 
 
 def _stat(p: dict[str, Any], metric: str, stat: str) -> float | None:

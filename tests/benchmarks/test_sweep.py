@@ -31,6 +31,18 @@ def test_endpoint_of_a_launched_configuration():
     assert sweep.Configuration("a", command="kvrouter up").endpoint() == "http://127.0.0.1:8000"
 
 
+def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_path, capsys):
+    with FakeOpenAI(ttft_s=0.02, tpot_s=0.005) as fake:
+        sweep.main([
+            "--launch", f"broken={sys.executable} -c 'raise SystemExit(3)' --port {free_port()}",
+            "--config", f"ok={fake.url}", "--rates", "8", "--point-seconds", "0.5", "--unloaded-samples", "1",
+            "--mixed-short-prompt", "8", "--mixed-short-output", "2", "--mixed-long-prompt", "16",
+            "--mixed-long-output", "2", "--no-progress", "--out", str(tmp_path)])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "exited with 3" in rec["failed"]["broken"]
+    assert list(rec["configs"]) == ["ok"] and rec["configs"]["ok"]["curve"][0]["failed"] == 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
