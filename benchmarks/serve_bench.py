@@ -69,10 +69,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=None,
                         help="mixed: requests (default 200); others: at most this many open-loop requests")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-duration", type=float, default=120.0, help="send nothing after this many seconds")
-    parser.add_argument("--grace", type=float, default=60.0, help="cancel what is in flight this long after that")
-    parser.add_argument("--request-timeout", type=float, default=300.0)
-    parser.add_argument("--max-concurrency", type=int, default=0, help="0: unbounded (open loop)")
+    default = {f.name: f.default for f in dataclasses.fields(ClientConfig)}  # defaults live there
+    parser.add_argument("--max-duration", type=float, default=default["max_duration_s"],
+                        help="send nothing after this many seconds")
+    parser.add_argument("--grace", type=float, default=default["grace_s"],
+                        help="cancel what is in flight this long after that")
+    parser.add_argument("--request-timeout", type=float, default=default["request_timeout_s"])
+    parser.add_argument("--max-concurrency", type=int, default=default["max_concurrency"],
+                        help="0: unbounded (open loop)")
     parser.add_argument("--prewarm-concurrency", type=int, default=4)
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
