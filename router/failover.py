@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -95,13 +96,16 @@ class ChoiceRun:
         try:
             phase = "full"
             if self.plan.kind == "disaggregated":
-                async for chunk in self._prefill():
-                    yield chunk
+                async with aclosing(self._prefill()) as prefill:
+                    async for chunk in prefill:
+                        yield chunk
                 if self.finish_reason is not None:
                     return
                 phase = "decode"
-            async for chunk in self._stream(phase, self.plan.first if phase == "full" else None):
-                yield chunk
+            first = self.plan.first if phase == "full" else None
+            async with aclosing(self._stream(phase, first)) as stream:
+                async for chunk in stream:
+                    yield chunk
         finally:
             self._abort_live()
 
@@ -152,15 +156,16 @@ class ChoiceRun:
                     "no decode worker with enough free KV cache is available"
                     + (" to resume the request" if self.sent else ""))
             rec.decode_workers.append(worker.worker_id)
-            rec.mark("transfer_start")
-            if phase == "full":
-                rec.mark("prefill_start")
+            # A "full" phase prefills where it decodes: no transfer, its first token ends
+            # the prefill. A decode phase starts with the transfer (the store load).
+            rec.mark("prefill_start" if phase == "full" else "transfer_start")
             before = len(self.sent)
             try:
-                async for chunk in self._phase_stream(worker, phase):
-                    rec.mark("decode_first")
-                    self.sent.extend(chunk.token_ids)
-                    yield chunk
+                async with aclosing(self._phase_stream(worker, phase)) as chunks:
+                    async for chunk in chunks:
+                        rec.mark("prefill_end" if phase == "full" else "decode_first")
+                        self.sent.extend(chunk.token_ids)
+                        yield chunk
                 return
             except WorkerUnavailable as exc:
                 self._failed.add(worker.worker_id)
@@ -200,16 +205,17 @@ class ChoiceRun:
         self._route(worker, phase)
         produced = 0
         try:
-            async for item in self._generate(worker, request):
-                if isinstance(item, GenerateFinal):
-                    self._finish_phase(worker, phase, item, books, produced)
-                    self.finish_reason = item.finish_reason
-                    self.record.mark("decode_end")
-                    return
-                books.prefill_done()
-                if item.token_ids:
-                    produced += len(item.token_ids)
-                    yield item
+            async with aclosing(self._generate(worker, request)) as items:
+                async for item in items:
+                    if isinstance(item, GenerateFinal):
+                        self._finish_phase(worker, phase, item, books, produced)
+                        self.finish_reason = item.finish_reason
+                        self.record.mark("decode_end")
+                        return
+                    books.prefill_done()
+                    if item.token_ids:
+                        produced += len(item.token_ids)
+                        yield item
         finally:
             books.release()
 
@@ -223,21 +229,25 @@ class ChoiceRun:
                                   list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
         self._route(worker, phase)
         try:
-            async for item in self._generate(worker, request):
-                if isinstance(item, GenerateFinal):
-                    self._finish_phase(worker, phase, item, books,
-                                       sum(len(c.token_ids) for c in out))
-                    return item
-                out.append(item)
+            async with aclosing(self._generate(worker, request)) as items:
+                async for item in items:
+                    if isinstance(item, GenerateFinal):
+                        self._finish_phase(worker, phase, item, books,
+                                           sum(len(c.token_ids) for c in out))
+                        return item
+                    out.append(item)
         finally:
             books.release()
         raise WorkerUnavailable(worker.worker_id, "stream ended without a final line")
 
-    async def _generate(self, worker: WorkerHandle, request: GenerateRequest):
+    async def _generate(self, worker: WorkerHandle, request: GenerateRequest
+                        ) -> AsyncIterator[GenerateChunk | GenerateFinal]:
+        """The worker's stream; while it runs the worker is *live* (aborted if we stop early)."""
         self._live[worker.worker_id] = worker
         try:
-            async for item in worker.client.generate(request):
-                yield item
+            async with aclosing(worker.client.generate(request)) as items:
+                async for item in items:
+                    yield item
         except WorkerRejected as exc:
             self._live.pop(worker.worker_id, None)
             raise BadRequest(f"the worker refused the request: {exc}") from exc
@@ -257,6 +267,7 @@ class ChoiceRun:
 
     # --- choices ------------------------------------------------------------------------
     def _pick_prefill(self) -> WorkerHandle | None:
+        """The retry's worker: the other prefill worker with the least queued prefill."""
         options = [w for w in self.candidates("prefill") if w.worker_id not in self._failed]
         if not options:
             return None
@@ -280,11 +291,12 @@ class ChoiceRun:
 
     # --- aborts -------------------------------------------------------------------------
     def _abort_live(self, only: str | None = None) -> None:
-        """Tell every worker still holding the request to free it (fire and forget)."""
-        targets = [self._live.pop(only)] if only in self._live else (
-            [] if only is not None else list(self._live.values()))
-        if only is None:
-            self._live.clear()
+        """Tell every worker still holding the request (or just ``only``) to free it. Fire
+        and forget: a cancelled task (client gone) must still send it."""
+        if only is not None:
+            targets = [self._live.pop(only)] if only in self._live else []
+        else:
+            targets, self._live = list(self._live.values()), {}
         for worker in targets:
             task = asyncio.get_running_loop().create_task(worker.client.abort(self.request_id))
             _background.add(task)

@@ -6,15 +6,21 @@ benchmarks read these lines, so the field names below are a contract:
 
 ``request_id``, ``mode`` (``disaggregated`` | ``colocated`` | ``auto-local`` | ``auto-remote``),
 ``arrival_unix`` (wall clock at arrival), ``timeline`` (seconds since arrival, monotonic clock):
-``queued`` (0.0), ``prefill_start``, ``prefill_end``, ``transfer_start`` (decode request sent),
-``first_token`` (first token handed to the client), ``decode_first`` (first token from the
-decode worker), ``decode_end``, ``end``; absent when a phase did not happen.
-``prompt_tokens``, ``output_tokens``, ``finish_reason``, ``status`` (``ok`` | ``aborted`` |
-``error``), ``error``, ``prefill_worker``, ``decode_workers`` (in order: more than one after a
-resume), ``prefill_retries``, ``decode_resumes``, ``tokens``: ``computed`` / ``device_hit`` /
-``store_hit`` prompt tokens of the prefill phase and ``decode_computed`` / ``decode_store_hit``
-of the decode phase(s), ``kv_bytes``: ``saved`` (prefill to store) and ``loaded`` (store to
-decode), ``phases`` (each worker phase's raw stats, in order).
+``queued`` (0.0), ``prefill_start``, ``prefill_end`` (the prefill's first token; in a
+``phase="full"`` run, the worker's first token), ``transfer_start`` (decode request sent: the
+decode worker starts by loading the prompt's blocks from the store), ``decode_first`` (first
+token from the decode worker), ``first_token`` (first token handed on to the client),
+``decode_end``, ``end``; absent when a phase did not happen. Each is the first occurrence
+(a resumed decode does not move them).
+``prompt_tokens``, ``output_tokens``, ``finish_reason``, ``status`` (``ok``; ``closed``: the
+caller stopped reading, at a stop string or a client disconnect; ``error``), ``error``,
+``prefill_worker``, ``decode_workers`` (in order: more than one after a resume),
+``prefill_retries``, ``decode_resumes``, ``tokens``: ``computed`` / ``store_hit`` prompt
+tokens of the prefill (or full) phase, ``device_hit`` of every phase, ``decode_computed`` /
+``decode_store_hit`` of the decode phase(s), ``kv_bytes``: ``saved`` (prefill to store) and ``loaded`` (store to
+decode), ``phases`` (each worker phase in order: ``worker_id``, ``phase``, ``ok``, ``error``,
+``output_tokens`` it produced, and the worker's final ``stats``; a failed phase has
+``ok: false`` and no stats).
 
 Records go to the ``kvrouter.requests`` logger (the application decides its handlers) and,
 when a path is given, are appended to a JSONL file. The sink never raises into the serving
