@@ -315,7 +315,8 @@ class LocalCluster:
     def start_router(self, *, name: str = "router", port: int | None = None,
                      mode: str | None = None, policy: str | None = None,
                      auto_threshold: int | None = None, cluster: str | None = None,
-                     request_log: str | None = None, expect_workers: int = 1) -> str:
+                     request_log: str | None = None, api_key: str | None = None,
+                     expect_workers: int = 1) -> str:
         """Start a router (the cluster's, or another one on the same etcd) and return its URL
         once ``/health`` answers and it sees ``expect_workers`` workers (0: just answering)."""
         spec = self.spec
@@ -331,8 +332,9 @@ class LocalCluster:
         if request_log:
             argv += ["--request-log", request_log]
         env = {"TOKENIZERS_PARALLELISM": "false"}
-        if spec.api_key:
-            env["KVROUTER_API_KEY"] = spec.api_key   # not on the command line (ps shows argv)
+        api_key = api_key or spec.api_key
+        if api_key:
+            env["KVROUTER_API_KEY"] = api_key        # not on the command line (ps shows argv)
         child = self._spawn(name, argv, env)
         url = f"http://{spec.host}:{port}"
 

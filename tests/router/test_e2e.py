@@ -214,6 +214,33 @@ def test_errors_reach_the_openai_client_typed(env: Env) -> None:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
 
 
+def test_cache_salt_separates_tenants(env: Env) -> None:
+    client, prompt = env.client(), env.prompt(64, 600)        # 4 full blocks
+    recs = []
+    for salt in ("tenant-a", "tenant-a", "tenant-b"):
+        r = client.completions.create(model=env.model, prompt=prompt, max_tokens=2,
+                                      extra_body={**NO_EOS, "cache_salt": salt})
+        recs.append(record(env.log, r.id))
+    first, same, other = (r["tokens"] for r in recs)
+    assert first["computed"] == 64
+    # Same salt: the router's salted keys find the worker holding the blocks, which reuses them.
+    assert recs[1]["prefill_worker"] == recs[0]["prefill_worker"]
+    assert same["device_hit"] >= 48 and same["computed"] <= 16
+    # Another salt shares nothing, in the device cache or in the store.
+    assert other["computed"] == 64 and other["store_hit"] == 0
+    assert recs[2]["phases"][0]["stats"]["device_hit_tokens"] == 0
+
+
+def test_api_key_is_required_when_set(env: Env) -> None:
+    url = env.cluster.start_router(name="router-keyed", api_key="s3cret", expect_workers=3)
+    body = {"model": env.model, "prompt": env.prompt(8, 700), "max_tokens": 2}
+    denied = httpx.post(f"{url}/v1/completions", json=body, timeout=10, trust_env=False)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    r = OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0).completions.create(**body)
+    assert r.usage.completion_tokens >= 1
+    assert httpx.get(f"{url}/health", trust_env=False).status_code == 200   # no key needed
+
+
 def test_no_worker_is_503(env: Env) -> None:
     resp = httpx.post(f"{env.empty_router}/v1/completions",
                       json={"model": env.model, "prompt": "hi", "max_tokens": 2}, timeout=10,
