@@ -41,12 +41,34 @@ from router.request_log import PhaseStats, RequestRecord
 from router.worker_client import WorkerRejected, WorkerUnavailable
 from router.worker_pool import WorkerHandle
 
-__all__ = ["Plan", "ChoiceRun", "RunHooks"]
+__all__ = ["Plan", "ChoiceRun", "RunHooks", "pick_decode", "with_room"]
 
 log = logging.getLogger(__name__)
 
 # Background abort tasks: held here so they are not garbage-collected before they run.
 _background: set[asyncio.Task[None]] = set()
+
+
+def with_room(handles: Sequence[WorkerHandle], tokens: int, max_tokens: int) -> list[WorkerHandle]:
+    """The workers with free KV for ``tokens + max_tokens`` now; if none has, those whose
+    whole cache could hold it (the request waits in that worker's queue, as it would in a
+    single engine, rather than failing while the fleet is busy). Empty: it fits nowhere."""
+    fitting = [h for h in handles
+               if h.load.free_blocks >= blocks_needed(tokens, max_tokens, h.info.block_size)]
+    return fitting or [h for h in handles if h.info.kv_capacity_blocks
+                       >= blocks_needed(tokens, max_tokens, h.info.block_size)]
+
+
+def pick_decode(handles: Sequence[WorkerHandle], tokens: int, max_tokens: int) -> WorkerHandle | None:
+    """The decode worker: enough free KV blocks first, then the least loaded (``with_room``)."""
+    options = with_room(handles, tokens, max_tokens)
+    if not options:
+        return None
+    by_id = {h.worker_id: h for h in options}
+    loads = [h.load for h in options]
+    chosen = choose_decode(loads, tokens, max_tokens) or min(
+        loads, key=lambda w: (w.load, -w.free_blocks, w.worker_id))
+    return by_id[chosen.worker_id]
 
 
 @dataclass(slots=True)
@@ -153,8 +175,9 @@ class ChoiceRun:
                 worker = self._pick_decode()
             if worker is None:
                 raise ServiceUnavailable(
-                    "no decode worker with enough free KV cache is available"
-                    + (" to resume the request" if self.sent else ""))
+                    "no decode worker can hold the request's KV"
+                    + (" to resume it" if self.sent else "")
+                    + (f" (workers that failed it: {sorted(self._failed)})" if self._failed else ""))
             rec.decode_workers.append(worker.worker_id)
             # A "full" phase prefills where it decodes: no transfer, its first token ends
             # the prefill. A decode phase starts with the transfer (the store load).
@@ -274,12 +297,9 @@ class ChoiceRun:
         return min(options, key=lambda w: (w.load.pending_prefill_tokens, w.load.load, w.worker_id))
 
     def _pick_decode(self) -> WorkerHandle | None:
-        options = {w.worker_id: w for w in self.candidates("decode")
-                   if w.worker_id not in self._failed}
-        remaining = max(1, self.sampling.max_tokens - len(self.sent))
-        chosen = choose_decode([w.load for w in options.values()],
-                               len(self.prompt_token_ids) + len(self.sent), remaining)
-        return None if chosen is None else options[chosen.worker_id]
+        options = [w for w in self.candidates("decode") if w.worker_id not in self._failed]
+        return pick_decode(options, len(self.prompt_token_ids) + len(self.sent),
+                           max(1, self.sampling.max_tokens - len(self.sent)))
 
     def _route(self, worker: WorkerHandle, phase: str) -> None:
         if self.hooks.on_route:

@@ -14,9 +14,10 @@ applies stop strings; this module owns placement). For each ``ServeRequest``:
      ``auto_threshold`` tokens it prefills locally (``phase="full"``, counted as ``local``),
      otherwise disaggregated. No prefill worker at all also means local.
 2. Run (``router.failover.ChoiceRun``): prefill (retried once elsewhere), then decode on the
-   least-loaded worker with room for prompt + ``max_tokens``, resumed on another decode worker
-   if one dies mid-stream; every worker still holding the request is aborted when the stream
-   ends early.
+   least-loaded worker with free KV for prompt + ``max_tokens`` (when none has, the
+   least-loaded one whose cache could hold it: the request queues there instead of failing
+   while the fleet is busy), resumed on another decode worker if one dies mid-stream; every
+   worker still holding the request is aborted when the stream ends early.
 3. Yield ``GenerateChunk`` s (each output id once, in order, across failovers) and one
    ``GenerateFinal`` whose stats sum the phases (``first_token_s`` is the first phase's).
 
@@ -42,11 +43,10 @@ from engine.api_types import GenerateChunk, GenerateFinal, RequestStats, WorkerI
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from router.config import MODES, Mode
-from router.failover import ChoiceRun, Plan, RunHooks
+from router.failover import ChoiceRun, Plan, RunHooks, pick_decode, with_room
 from router.metrics import RouterMetrics
 from router.openai_types import OpenAIError, ServiceUnavailable
-from router.policy import (PrefillPolicy, StorePrefixFn, blocks_needed, choose_decode,
-                           prefer_local)
+from router.policy import PrefillPolicy, StorePrefixFn, prefer_local
 from router.request_log import RequestLog, RequestRecord
 from router.serving import ServeRequest
 from router.worker_pool import WorkerHandle, WorkerPool
@@ -152,20 +152,19 @@ class Orchestrator:
         start = time.perf_counter()
 
         if self.mode == "colocated":
-            need = blocks_needed(n, max_tokens, info.block_size)
-            fitting = [w for w in decode if w.load.free_blocks >= need]
+            fitting = with_room(decode, n, max_tokens)
             chosen = self.policy.choose([w.load for w in fitting], keys, n, store_blocks)
             if chosen is None:
-                raise ServiceUnavailable(f"no worker has KV room for {n} prompt + {max_tokens} "
-                                         "output tokens now; retry later")
+                raise ServiceUnavailable(f"no worker's KV cache can hold {n} prompt + "
+                                         f"{max_tokens} output tokens")
             return self._decided(fitting, chosen[0].worker_id, "full", chosen[1].uncached_tokens,
                                  "colocated", start)
 
         prefill = self._candidates(request.model, "prefill")
         if self.mode == "auto":
-            dec = choose_decode([w.load for w in decode], n, max_tokens)
+            dec = pick_decode(decode, n, max_tokens)
             if dec is not None:
-                est = self.policy.estimates([dec], keys, n, store_blocks)[0]
+                est = self.policy.estimates([dec.load], keys, n, store_blocks)[0]
                 if prefer_local(est, self.auto_threshold) or not prefill:
                     return self._decided(decode, dec.worker_id, "full", est.uncached_tokens,
                                          "auto-local", start)

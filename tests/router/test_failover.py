@@ -21,12 +21,15 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from engine.api_types import LoadFigures, WorkerInfo
 from engine.tokenizer import Tokenizer
+from kvstore.keys import BlockKey
+from router.failover import pick_decode, with_room
 from router.launcher import ChildProcess, LocalCluster
+from router.policy import WorkerLoad
+from router.worker_pool import WorkerHandle
 from tests.router.cluster_probe import (Metrics, random_prompt, record, scrape, wait_until,
                                         text_token_ids, whole_chars, worker_id)
-
-pytestmark = pytest.mark.integration
 
 NO_EOS = {"ignore_eos": True}
 
@@ -86,6 +89,7 @@ def _thaw(children: dict[str, ChildProcess]) -> None:
             child.signal_group(signal.SIGCONT)
 
 
+@pytest.mark.integration
 def test_prefill_worker_killed_mid_request_is_retried_elsewhere(env: Env, oracle) -> None:
     prefill = env.workers("prefill")
     prompt = env.prompt(40, 11)
@@ -114,6 +118,7 @@ def test_prefill_worker_killed_mid_request_is_retried_elsewhere(env: Env, oracle
     wait_until(lambda: env.health()["workers"] == 3, 15, "the dead worker to be dropped")
 
 
+@pytest.mark.integration
 def test_decode_worker_killed_mid_stream_resumes_on_another(env: Env, oracle) -> None:
     decode = env.workers("decode")
     prompt, max_tokens = env.prompt(40, 12), 300      # 2 full blocks (32 tokens) + 8
@@ -162,6 +167,7 @@ def test_decode_worker_killed_mid_stream_resumes_on_another(env: Env, oracle) ->
             - before.get("kvrouter_failovers_total", kind="decode_resume")) == 1
 
 
+@pytest.mark.integration
 def test_etcd_unreachable_keeps_serving_with_last_membership(env: Env, oracle) -> None:
     env.cluster.child("etcd").signal_group(signal.SIGKILL)
     health = wait_until(lambda: (h := env.health())["status"] == "degraded" and h, 20,
@@ -171,3 +177,28 @@ def test_etcd_unreachable_keeps_serving_with_last_membership(env: Env, oracle) -
     r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=5,
                                         temperature=0, extra_body=NO_EOS)
     assert whole_chars(r.choices[0].text) == whole_chars(env.tokenizer.decode(oracle(prompt, 5)))
+
+
+# --- the decode choice, on figures alone ---------------------------------------------------
+
+
+def _handle(wid: str, capacity: int, free: int, running: int = 0) -> WorkerHandle:
+    info = WorkerInfo(wid, f"http://{wid}", "decode", "m", BlockKey(bytes(16)), 16, capacity, 4096)
+    load = WorkerLoad(info)
+    load.observe_load(LoadFigures(running=running, kv_free_blocks=free, kv_total_blocks=capacity))
+    return WorkerHandle(info, client=None, load=load, events_task=None)  # type: ignore[arg-type]
+
+
+def test_decode_choice_prefers_room_then_least_loaded() -> None:
+    busy_roomy, idle_roomy, full = _handle("a", 64, 40, 3), _handle("b", 64, 40, 1), _handle("c", 64, 1)
+    # 100 + 200 tokens = 19 blocks: a and b have room, b is less loaded.
+    assert pick_decode([busy_roomy, idle_roomy, full], 100, 200) is idle_roomy
+    assert with_room([busy_roomy, idle_roomy, full], 100, 200) == [busy_roomy, idle_roomy]
+
+
+def test_decode_choice_waits_on_a_busy_worker_rather_than_failing() -> None:
+    a, b = _handle("a", 64, 2, 5), _handle("b", 64, 3, 9)
+    # Nobody has 19 free blocks now, but both caches could hold it: queue at the least loaded.
+    assert pick_decode([a, b], 100, 200) is a
+    # 2000 tokens = 125 blocks fit in no cache at all: nowhere to go.
+    assert pick_decode([a, b], 1000, 1000) is None and with_room([a, b], 1000, 1000) == []
