@@ -19,7 +19,8 @@ applies stop strings; this module owns placement). For each ``ServeRequest``:
    while the fleet is busy), resumed on another decode worker if one dies mid-stream; every
    worker still holding the request is aborted when the stream ends early.
 3. Yield ``GenerateChunk`` s (each output id once, in order, across failovers) and one
-   ``GenerateFinal`` whose stats sum the phases (``first_token_s`` is the first phase's).
+   ``GenerateFinal``: its token and latency figures are the first phase's (how the prompt
+   was served), its KV bytes and store seconds the sum over the phases (``_request_stats``).
 
 Errors before the first token are ``OpenAIError`` s (``ServiceUnavailable`` when no worker can
 serve; ``BadRequest`` when a worker refuses the request as malformed).
@@ -104,7 +105,7 @@ class Orchestrator:
                     yield chunk
             record.finish_reason = run.finish_reason or "length"
             finished = True
-            yield GenerateFinal(record.finish_reason, _sum_stats(record))  # type: ignore[arg-type]
+            yield GenerateFinal(record.finish_reason, _request_stats(record))  # type: ignore[arg-type]
         except OpenAIError as exc:
             record.status, record.error = "error", str(exc)
             raise
@@ -196,14 +197,21 @@ class Orchestrator:
         self.failovers.labels(kind).inc()
 
 
-def _sum_stats(record: RequestRecord) -> RequestStats:
-    """The phases' stats summed (``first_token_s`` is the first phase's)."""
-    total = dict.fromkeys(_STAT_FIELDS, 0)
-    for i, phase in enumerate(record.phases):
+_PROMPT_FIELDS = ("computed_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
+                  "queue_s", "prefill_s", "first_token_s")
+
+
+def _request_stats(record: RequestRecord) -> RequestStats:
+    """The request's stats for the client (``usage.prompt_tokens_details.cached_tokens``):
+    how its prompt was served is the first successful phase's figures (a decode phase loads
+    the same prompt again; counting it twice would report more cached tokens than the prompt
+    has); KV bytes and store seconds are summed over every phase."""
+    done = [p.stats for p in record.phases if p.ok]
+    total: dict[str, float] = dict.fromkeys(_STAT_FIELDS, 0)
+    for stats in done:
         for name in _STAT_FIELDS:
-            value = phase.stats.get(name, 0)
-            if name == "first_token_s":
-                total[name] = value if i == 0 else total[name]
-            else:
-                total[name] += value
-    return RequestStats(**total)
+            if name not in _PROMPT_FIELDS:
+                total[name] += stats.get(name, 0)
+    if done:
+        total.update({name: done[0].get(name, 0) for name in _PROMPT_FIELDS})
+    return RequestStats(**total)  # type: ignore[arg-type]

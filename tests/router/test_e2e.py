@@ -152,6 +152,7 @@ def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None
         assert rec["prefill_worker"] == holder
         assert rec["phases"][0]["stats"]["device_hit_tokens"] == 160
         assert rec["tokens"]["computed"] == 4             # only the new suffix is computed
+        assert r.usage.prompt_tokens_details.cached_tokens == 160
     after = scrape(url)
     decisions = "kvrouter_routing_decisions_total"
     assert _delta(before, after, decisions, worker=holder, phase="prefill") == 3
