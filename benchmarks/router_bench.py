@@ -1,0 +1,460 @@
+"""Router benchmark: the cost of one routing decision as the block index grows.
+
+One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
+
+    .venv/bin/python benchmarks/router_bench.py --out benchmarks/results [--quick] [--peer dynamo]
+
+Eight prefill workers, block size 16. For each index size (distinct block keys in
+:class:`~router.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
+device caches through the same ordered ``stored``/``removed`` events the workers publish:
+
+- 16 system prompts (256 to 2,048 tokens, Zipf-popular); conversations start on one of them
+  and grow turn by turn (assistant reply + user message) up to 8k tokens;
+- each turn is served by the conversation's usual worker (75%) or another one, which stores
+  the prompt's blocks it lacked (a ``stored`` event); a worker over its capacity evicts least
+  recently used blocks (a ``removed`` event). A prompt touches its blocks tail to head, so a
+  worker's blocks stay prefix-closed and matches are partial and differ by worker.
+
+Queries of 512, 2k and 8k tokens (32/128/512 keys) are drawn from the same workload: 60%
+continue a known conversation with a new user message, 30% start a new conversation on a
+known system prompt, 10% share nothing. A *decision* is ``PrefillPolicy("kv-aware").choose``
+over the 8 workers on precomputed keys (the index walk: leading match per worker, plus the
+TTFT estimate of each worker); the *lookup* is ``KvIndex.match`` alone. Reported separately:
+hashing a prompt's keys (``kvstore.keys.block_keys``), tokenizing its text (SmolLM2's
+tokenizer, when the default model is cached), and event ingestion (``KvIndex.apply``).
+
+``--peer dynamo`` runs NVIDIA Dynamo's radix-tree indexer (``dynamo.llm.RadixTree``) on the
+same events and the same queries in the same run: a driver
+(``benchmarks/peers/dynamo_driver.py``) runs in Dynamo's own virtual environment
+(``--dynamo-python``; create it with ``python3.11 -m venv ~/.cache/kvcache-store/dynamo-venv
+&& ~/.cache/kvcache-store/dynamo-venv/bin/pip install ai-dynamo-runtime``). A block's Dynamo
+hash is the first 8 bytes of its key (little-endian), used as both its ``tokens_hash`` and
+``block_hash``; every query's per-worker match from ``find_matches`` is checked against ours.
+
+Latencies are per call (``perf_counter_ns``), ``--rounds`` rounds of every query, ours and
+Dynamo's taking turns within a round; each figure is the median over rounds of that round's
+p50 / p99. Targets: a decision's p99 under 1 ms, and within 2x of Dynamo's ``find_matches``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.api_types import BlockEvent, LoadFigures, Snapshot, WorkerInfo  # noqa: E402
+from kvstore.keys import block_keys, extend_block_keys  # noqa: E402
+from router.kv_index import KvIndex  # noqa: E402
+from router.policy import PrefillPolicy, WorkerLoad  # noqa: E402
+
+BLOCK = 16
+WORKERS = 8
+VOCAB = 49_152
+NS = bytes(range(16))
+DYNAMO_DRIVER = REPO / "benchmarks" / "peers" / "dynamo_driver.py"
+DYNAMO_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "dynamo-venv" / "bin" / "python"
+MODEL_DIR = Path.home() / ".cache" / "kvcache-store" / "models" / "SmolLM2-135M-Instruct"
+TARGET_P99_MS, TARGET_VS_DYNAMO = 1.0, 2.0
+
+
+# --- workload ---------------------------------------------------------------------------------
+
+@dataclass
+class Conversation:
+    tokens: list[int]
+    keys: list[bytes]
+    worker: int
+
+
+@dataclass
+class Workload:
+    events: list[tuple[int, str, list[bytes], bytes | None]] = field(default_factory=list)
+    system: list[list[int]] = field(default_factory=list)
+    convs: list[Conversation] = field(default_factory=list)
+    stored_ever: set[bytes] = field(default_factory=set)
+    distinct: int = 0
+
+
+def build_workload(target_blocks: int, seed: int, max_tokens: int) -> Workload:
+    """Events that leave ``target_blocks`` distinct keys in the index (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    wl = Workload()
+    wl.system = [rng.integers(0, VOCAB, int(rng.integers(16, 129)) * BLOCK).tolist() for _ in range(16)]
+    popularity = 1.0 / np.arange(1, 17)
+    popularity /= popularity.sum()
+    capacity = max(2 * max_tokens // BLOCK, target_blocks // 4)
+    lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(WORKERS)]
+    holders: dict[bytes, int] = {}
+    active: list[Conversation] = []
+    for _ in range(50 * target_blocks):
+        if len(holders) >= target_blocks:
+            break
+        if not active or rng.random() < 0.3:
+            sys_tokens = wl.system[int(rng.choice(16, p=popularity))]
+            conv = Conversation(sys_tokens + _msg(rng, 32, 512), [], int(rng.integers(WORKERS)))
+            active.append(conv)
+            wl.convs.append(conv)
+        else:
+            conv = active[int(rng.integers(len(active)))]
+            conv.tokens += _msg(rng, 32, 256) + _msg(rng, 32, 512)  # reply, then user message
+        conv.tokens = conv.tokens[:max_tokens]
+        if len(conv.tokens) >= max_tokens:
+            active.remove(conv)
+        conv.keys = extend_block_keys(NS, conv.keys, conv.tokens, BLOCK)
+        w = conv.worker if rng.random() < 0.75 else int(rng.integers(WORKERS))
+        _serve(wl, lru[w], w, conv.keys, capacity, holders)
+    wl.distinct = len(holders)
+    return wl
+
+
+def _msg(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
+    return rng.integers(0, VOCAB, int(rng.integers(lo, hi + 1))).tolist()
+
+
+def _serve(wl: Workload, cache: OrderedDict, w: int, keys: list[bytes], capacity: int,
+           holders: dict[bytes, int]) -> None:
+    held = 0
+    while held < len(keys) and keys[held] in cache:
+        held += 1
+    if held < len(keys):
+        wl.events.append((w, "stored", keys[held:], keys[held - 1] if held else None))
+        for k in keys[held:]:
+            holders[k] = holders.get(k, 0) + 1
+        wl.stored_ever.update(keys[held:])
+    for k in reversed(keys):  # tail to head: a block's parent is always more recent
+        cache[k] = None
+        cache.move_to_end(k)
+    removed = []
+    while len(cache) > capacity:
+        k, _ = cache.popitem(last=False)
+        removed.append(k)
+        holders[k] -= 1
+        if not holders[k]:
+            del holders[k]
+    if removed:
+        wl.events.append((w, "removed", removed, None))
+
+
+def build_queries(wl: Workload, length: int, n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        new = int(rng.integers(32, 513))
+        if u < 0.6:
+            base = wl.convs[int(rng.integers(len(wl.convs)))].tokens[: max(0, length - new)]
+        elif u < 0.9:
+            base = wl.system[int(rng.integers(16))][:length]
+        else:
+            base = []
+        out.append(base + rng.integers(0, VOCAB, length - len(base)).tolist())
+    return out
+
+
+def dynamo_hash(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
+
+
+# --- our side ---------------------------------------------------------------------------------
+
+def make_index(wl: Workload) -> tuple[KvIndex, dict]:
+    index = KvIndex()
+    ids = [f"w{i}" for i in range(WORKERS)]
+    for wid in ids:
+        index.reset(wid, Snapshot(0, (), LoadFigures()))
+    seqs = [0] * WORKERS
+    events = []
+    for w, kind, keys, _parent in wl.events:
+        seqs[w] += 1
+        events.append((ids[w], BlockEvent(seqs[w], kind, tuple(keys))))
+    clock, times = time.perf_counter_ns, []
+    gc.collect()
+    for wid, ev in events:
+        t0 = clock()
+        index.apply(wid, ev)
+        times.append(clock() - t0)
+    return index, _ingest_summary(times, sum(len(e[2]) for e in wl.events))
+
+
+def _ingest_summary(event_ns: list[int], blocks: int) -> dict:
+    total = sum(event_ns)
+    return {"events": len(event_ns), "blocks": blocks, "total_s": total / 1e9,
+            "ns_per_block": total / max(1, blocks), "event_us": _pcts(event_ns)}
+
+
+def make_workers(seed: int) -> list[WorkerLoad]:
+    rng = np.random.default_rng(seed)
+    workers = []
+    for i in range(WORKERS):
+        info = WorkerInfo(f"w{i}", f"http://127.0.0.1:{9000 + i}", "prefill", "bench", NS,
+                          BLOCK, 65_536, 32_768)
+        w = WorkerLoad(info)
+        w.observe_load(LoadFigures(prefill_tokens_per_s=float(rng.uniform(5e3, 2e4)),
+                                   load_tokens_per_s=float(rng.uniform(5e4, 2e5))))
+        w.assign(int(rng.integers(0, 8192)))
+        workers.append(w)
+    return workers
+
+
+def time_calls(fn, args_list: list) -> list[int]:
+    clock, out = time.perf_counter_ns, []
+    for args in args_list:
+        t0 = clock()
+        fn(*args)
+        out.append(clock() - t0)
+    return out
+
+
+def _pcts(ns: list[int] | np.ndarray) -> dict:
+    a = np.asarray(ns, dtype=float) / 1e3
+    if not a.size:
+        return {"p50": None, "p99": None}
+    return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2)}
+
+
+def _median_rounds(rounds: list[dict]) -> dict:
+    return {k: round(float(np.median([r[k] for r in rounds])), 2) for k in ("p50", "p99")}
+
+
+# --- Dynamo -----------------------------------------------------------------------------------
+
+class DynamoPeer:
+    """The driver subprocess in Dynamo's venv, spoken to one JSON line at a time."""
+
+    def __init__(self, python: Path, workdir: Path) -> None:
+        if not Path(python).is_file():
+            raise SystemExit(
+                f"--peer dynamo: no Python at {python}. Create Dynamo's environment with "
+                f"`python3.11 -m venv {Path(python).parents[1]} && {Path(python).parent}/pip install "
+                f"ai-dynamo-runtime` or pass --dynamo-python")
+        self.workdir = workdir
+        self.proc = subprocess.Popen([str(python), str(DYNAMO_DRIVER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(workdir / "dynamo.log", "w"),
+                                     text=True)
+        hello = self._read()
+        if not hello.get("ready"):
+            raise SystemExit(f"--peer dynamo: the driver could not load dynamo.llm.RadixTree: "
+                             f"{hello.get('error', hello)} (log: {workdir / 'dynamo.log'})")
+        self.version = hello["version"]
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"--peer dynamo: the driver exited (code {self.proc.poll()}); "
+                                 f"see {self.workdir / 'dynamo.log'}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+    def write(self, name: str, payload: dict) -> Path:
+        path = self.workdir / f"{name}.json"
+        path.write_text(json.dumps(payload))
+        return path
+
+    def call(self, op: str, path: Path, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, "path": str(path), **kw}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if "error" in out:
+            raise SystemExit(f"--peer dynamo: {op} failed: {out['error']}")
+        return out
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+def leading_in(keys: list[bytes], held: set[bytes]) -> int:
+    n = 0
+    while n < len(keys) and keys[n] in held:
+        n += 1
+    return n
+
+
+def run_cell(size: int, length: int, wl: Workload, index: KvIndex, peer: DynamoPeer | None,
+             args: argparse.Namespace) -> dict:
+    tokens = build_queries(wl, length, args.queries, args.seed + length)
+    keys = [block_keys(NS, t, BLOCK) for t in tokens]
+    workers = make_workers(args.seed)
+    policy = PrefillPolicy("kv-aware", index)
+    decision_args = [(workers, k, length, leading_in(k, wl.stored_ever)) for k in keys]
+    lookup_args = [(k,) for k in keys]
+    matches = [index.match(k) for k in keys]
+    best = [max(m.values()) / len(k) for m, k in zip(matches, keys)]
+    cell = {"index_blocks": size, "prompt_tokens": length, "queries": len(keys),
+            "match": {"mean_best_fraction": round(float(np.mean(best)), 3),
+                      "any_hit_fraction": round(float(np.mean([b > 0 for b in best])), 3),
+                      "mean_workers_hit": round(float(np.mean(
+                          [sum(v > 0 for v in m.values()) for m in matches])), 2),
+                      "mean_distinct_depths": round(float(np.mean(
+                          [len(set(m.values())) for m in matches])), 2)}}
+    dyn_path = peer.write("queries", {"queries": [[dynamo_hash(x) for x in k] for k in keys]}) if peer else None
+    rounds: dict[str, list[dict]] = {"decision": [], "lookup": [], "dynamo": []}
+    for r in range(args.rounds):
+        gc.collect()
+        rounds["decision"].append(_pcts(time_calls(policy.choose, decision_args)))
+        rounds["lookup"].append(_pcts(time_calls(index.match, lookup_args)))
+        if peer:
+            out = peer.call("query", dyn_path)
+            rounds["dynamo"].append(_pcts(out["ns"]))
+            if r == 0:
+                ours = [{str(int(w[1:])): n for w, n in m.items() if n} for m in matches]
+                theirs = [{w: n for w, n in s.items() if n} for s in out["scores"]]
+                cell["dynamo_mismatches"] = sum(a != b for a, b in zip(ours, theirs))
+    cell["ours"] = {"decision_us": _median_rounds(rounds["decision"]),
+                    "lookup_us": _median_rounds(rounds["lookup"])}
+    if peer:
+        d = cell["dynamo"] = {"find_matches_us": _median_rounds(rounds["dynamo"])}
+        cell["ratio_vs_dynamo"] = {
+            f"{what}_{p}": round(cell["ours"][f"{what}_us"][p] / d["find_matches_us"][p], 2)
+            for what in ("decision", "lookup") for p in ("p50", "p99")}
+    return cell
+
+
+def time_prep(lengths: list[int], n: int, seed: int, peer: DynamoPeer | None) -> dict:
+    """Hashing (ours and Dynamo's) and tokenizing, per prompt length."""
+    rng = np.random.default_rng(seed)
+    tok = None
+    if (MODEL_DIR / "tokenizer.json").is_file():
+        from engine.tokenizer import Tokenizer
+        tok = Tokenizer.from_dir(MODEL_DIR)
+    out = {}
+    for length in lengths:
+        prompts = [rng.integers(0, VOCAB, length).tolist() for _ in range(n)]
+        row = {"hash_us": _pcts(time_calls(lambda t: block_keys(NS, t, BLOCK), [(p,) for p in prompts]))}
+        if peer:
+            path = peer.write("hash", {"block_size": BLOCK, "prompts": prompts})
+            row["dynamo_hash_us"] = _pcts(peer.call("hash", path)["ns"])
+        if tok is not None:
+            texts = [tok.decode(p[: length]) for p in prompts[: max(1, n // 4)]]
+            row["tokenize_us"] = _pcts(time_calls(tok.encode, [(t,) for t in texts]))
+        else:
+            row["tokenize_us"] = None
+        out[str(length)] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer queries (< 1 min)")
+    ap.add_argument("--sizes", type=int, nargs="+", help="index sizes in distinct blocks")
+    ap.add_argument("--prompts", type=int, nargs="+", help="prompt lengths in tokens")
+    ap.add_argument("--queries", type=int, help="queries per cell")
+    ap.add_argument("--rounds", type=int, help="timed rounds per cell (median of rounds)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer", choices=["dynamo"], help="also run NVIDIA Dynamo's RadixTree")
+    ap.add_argument("--dynamo-python", type=Path, default=DYNAMO_PYTHON_DEFAULT)
+    args = ap.parse_args()
+    args.sizes = args.sizes or ([1_000, 10_000] if args.quick else [1_000, 10_000, 100_000])
+    args.prompts = args.prompts or ([512, 2048] if args.quick else [512, 2048, 8192])
+    args.queries = args.queries or (200 if args.quick else 1000)
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="router_bench_") as tmp:
+        peer = DynamoPeer(args.dynamo_python, Path(tmp)) if args.peer == "dynamo" else None
+        try:
+            cells, ingest = [], {}
+            steps = tqdm(total=len(args.sizes) * (1 + len(args.prompts)), desc="router_bench",
+                         file=sys.stderr)
+            for size in args.sizes:
+                wl = build_workload(size, args.seed + size, max(args.prompts))
+                index, ing = make_index(wl)
+                ingest[str(size)] = {"distinct_blocks": len(index), "worker_blocks": sum(
+                    index.num_blocks(w) for w in index.workers), "ours": ing}
+                if peer:
+                    path = peer.write("events", {"events": [
+                        [w, kind, [dynamo_hash(k) for k in keys],
+                         dynamo_hash(parent) if parent is not None else None]
+                        for w, kind, keys, parent in wl.events]})
+                    d = peer.call("load", path)
+                    ingest[str(size)]["dynamo"] = _ingest_summary(d["event_ns"], d["blocks"])
+                    ingest[str(size)]["dynamo"]["total_with_barrier_s"] = d["total_s"]
+                steps.update()
+                for length in args.prompts:
+                    cells.append(run_cell(size, length, wl, index, peer, args))
+                    steps.update()
+            steps.close()
+            prep = time_prep(args.prompts, min(args.queries, 200), args.seed + 1, peer)
+            version = peer.version if peer else None
+        finally:
+            if peer:
+                peer.close()
+    p99_max = max(c["ours"]["decision_us"]["p99"] for c in cells) / 1e3
+    target = {"decision_p99_ms_max": round(p99_max, 4), "p99_under_1ms": p99_max < TARGET_P99_MS}
+    if args.peer:
+        ratios = [c["ratio_vs_dynamo"] for c in cells]
+        target["decision_vs_dynamo_max"] = {p: max(r[f"decision_{p}"] for r in ratios) for p in ("p50", "p99")}
+        target["lookup_vs_dynamo_max"] = {p: max(r[f"lookup_{p}"] for r in ratios) for p in ("p50", "p99")}
+        target["within_2x_of_dynamo"] = max(target["decision_vs_dynamo_max"].values()) <= TARGET_VS_DYNAMO
+        target["dynamo_mismatches"] = sum(c["dynamo_mismatches"] for c in cells)
+    plot = args.out / "router_bench.png"
+    _plot(cells, plot, bool(args.peer))
+    print(json.dumps({
+        "bench": "router", "workers": WORKERS, "block_size": BLOCK, "seed": args.seed,
+        "quick": args.quick, "rounds": args.rounds, "queries_per_cell": args.queries,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version()},
+        "peer": {"name": "dynamo", "package": "ai-dynamo-runtime", "version": version} if args.peer else None,
+        "cells": cells, "ingest": ingest, "prep": prep, "target": target,
+        "plot": str(plot), "wall_s": round(time.monotonic() - t_start, 1)}))
+
+
+def _plot(cells: list[dict], path: Path, peer: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({c["prompt_tokens"] for c in cells})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        row = sorted((c for c in cells if c["prompt_tokens"] == length), key=lambda c: c["index_blocks"])
+        xs = [c["index_blocks"] for c in row]
+        series = [("decision", lambda c, p: c["ours"]["decision_us"][p], "C0", "o"),
+                  ("lookup", lambda c, p: c["ours"]["lookup_us"][p], "C2", "^")]
+        if peer:
+            series.append(("Dynamo find_matches", lambda c, p: c["dynamo"]["find_matches_us"][p], "C3", "s"))
+        for label, get, color, marker in series:
+            for p, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(xs, [get(c, p) for c in row], style, color=color, marker=marker,
+                        label=f"{label} {p}")
+        ax.axhline(TARGET_P99_MS * 1e3, color="grey", linestyle=":", label="1 ms target")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("indexed blocks (distinct keys)")
+        ax.set_ylabel("µs per call")
+        ax.set_title(f"{length}-token prompts ({length // BLOCK} keys)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"router_bench: routing decision cost, {WORKERS} workers "
+                 f"({os.cpu_count()} CPUs, {platform.machine()})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
