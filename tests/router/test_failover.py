@@ -6,13 +6,19 @@ To kill a worker *while it holds the request*, the test freezes the candidate wo
 (SIGSTOP) before sending, learns from the router's metrics which one it chose, then kills
 that one and thaws the others. Freezes stay well under the workers' etcd lease TTL (5 s).
 The cluster here starts its own etcd (the launcher's child) so the last test can kill it.
+
+Below them, fast in-process tests: the decode choice on figures alone, and the
+orchestrator's resume / abort / give-up logic against fake workers (``fake_worker.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
+import time
 from collections.abc import Callable
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +27,21 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api_types import LoadFigures, WorkerInfo
+from engine.api_types import GenerateFinal, LoadFigures, SamplingParams, WorkerInfo
 from engine.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.failover import pick_decode, with_room
 from router.launcher import ChildProcess, LocalCluster
-from router.policy import WorkerLoad
-from router.worker_pool import WorkerHandle
-from tests.router.cluster_probe import (Metrics, random_prompt, record, scrape, wait_until,
-                                        text_token_ids, whole_chars, worker_id)
+from router.metrics import RouterMetrics
+from router.openai_types import ServiceUnavailable
+from router.orchestrator import Orchestrator
+from router.policy import PrefillPolicy, WorkerLoad
+from router.request_log import RequestLog
+from router.serving import ServeRequest
+from router.worker_pool import StaticMembership, WorkerHandle, WorkerPool
+from tests.router.cluster_probe import (Metrics, random_prompt, record, records, scrape,
+                                        text_token_ids, wait_until, whole_chars, worker_id)
+from tests.router.fake_worker import FakeWorker
 
 NO_EOS = {"ignore_eos": True}
 
@@ -202,3 +214,85 @@ def test_decode_choice_waits_on_a_busy_worker_rather_than_failing() -> None:
     assert pick_decode([a, b], 100, 200) is a
     # 2000 tokens = 125 blocks fit in no cache at all: nowhere to go.
     assert pick_decode([a, b], 1000, 1000) is None and with_room([a, b], 1000, 1000) == []
+
+
+# --- the orchestrator's failover logic against fake workers (in-process, fast) -----------
+
+
+def _run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _fake_router(tmp_path: Path, *fakes: FakeWorker) -> tuple[Orchestrator, WorkerPool, Path]:
+    pool = await WorkerPool(StaticMembership([f.info for f in fakes])).start()
+    log_path = tmp_path / "requests.jsonl"
+    orch = Orchestrator(pool, PrefillPolicy("least-loaded", pool.index), RouterMetrics(),
+                        mode="colocated", request_log=RequestLog(str(log_path)))
+    return orch, pool, log_path
+
+
+def test_a_broken_stream_resumes_with_the_tokens_already_sent(tmp_path: Path) -> None:
+    async def body() -> None:
+        wa, wb = await FakeWorker("wa").start(), await FakeWorker("wb").start()
+        wa.break_after = 3                          # wa's stream breaks after 3 tokens
+        orch, pool, log_path = await _fake_router(tmp_path, wa, wb)
+        try:
+            req = ServeRequest("r1", "tiny", [10, 11, 12, 13, 14], SamplingParams(max_tokens=8))
+            items = [x async for x in orch.serve(req)]
+            tokens = [t for x in items[:-1] for t in x.token_ids]
+            assert tokens == list(range(15, 23))    # each token once, in order, across the break
+            assert isinstance(items[-1], GenerateFinal) and items[-1].finish_reason == "length"
+            resumed = wb.requests[0]
+            assert (resumed.phase, resumed.output_token_ids) == ("decode", [15, 16, 17])
+            assert wa.aborted == ["r1"]             # the broken worker is told to free it
+            rec = records(log_path)[0]
+            assert rec["decode_resumes"] == 1 and rec["decode_workers"] == ["wa", "wb"]
+            assert [p["ok"] for p in rec["phases"]] == [False, True]
+        finally:
+            await pool.close()
+            await wa.stop()
+            await wb.stop()
+    _run(body())
+
+
+def test_closing_the_stream_early_aborts_the_request_on_its_worker(tmp_path: Path) -> None:
+    async def body() -> None:
+        wa = await FakeWorker("wa").start()
+        wa.token_delay = 0.05
+        orch, pool, log_path = await _fake_router(tmp_path, wa)
+        try:
+            stream = orch.serve(ServeRequest("r2", "tiny", [1, 2], SamplingParams(max_tokens=100)))
+            async with aclosing(stream):
+                got = [await anext(stream), await anext(stream)]
+            assert [x.token_ids for x in got] == [[3], [4]]
+            await _until(lambda: wa.aborted == ["r2"])
+            assert records(log_path)[0]["status"] == "closed"
+        finally:
+            await pool.close()
+            await wa.stop()
+    _run(body())
+
+
+def test_every_worker_failing_ends_in_503(tmp_path: Path) -> None:
+    async def body() -> None:
+        wa, wb = await FakeWorker("wa").start(), await FakeWorker("wb").start()
+        wa.break_after = wb.break_after = 1
+        orch, pool, log_path = await _fake_router(tmp_path, wa, wb)
+        try:
+            with pytest.raises(ServiceUnavailable, match="no decode worker"):
+                _ = [x async for x in orch.serve(ServeRequest("r3", "tiny", [1, 2],
+                                                              SamplingParams(max_tokens=9)))]
+            rec = records(log_path)[0]
+            assert rec["status"] == "error" and rec["output_tokens"] == 2
+        finally:
+            await pool.close()
+            await wa.stop()
+            await wb.stop()
+    _run(body())
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
