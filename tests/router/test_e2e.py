@@ -272,3 +272,23 @@ def test_client_disconnect_aborts_the_request_on_its_workers(env: Env) -> None:
                "the decode worker to hold no running request")
     rec = record(env.log, response_id)
     assert rec["status"] == "closed" and rec["output_tokens"] < 1500
+
+
+@pytest.mark.slow
+def test_default_model_disaggregated_matches_transformers(cluster_factory) -> None:
+    """SmolLM2-135M-Instruct through prefill -> store -> decode: transformers' greedy reply."""
+    from engine.convert import ensure_default_model
+    from tests.engine.hf_oracle import hf_greedy
+
+    model_dir = ensure_default_model(progress=False)
+    cluster = cluster_factory(prefill=1, decode=1, model=str(model_dir), store_memory="256M")
+    tok = Tokenizer.from_dir(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expect, _ = hf_greedy(model_dir, tok.encode_chat(messages), 24)
+    stops = [i for i, t in enumerate(expect) if t in tok.eos_token_ids]
+    expect = expect[: stops[0]] if stops else expect       # the engine stops at EOS
+    client = OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=model_dir.name, messages=messages,
+                                           max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == tok.decode(expect)
+    assert "Paris" in reply.choices[0].message.content
