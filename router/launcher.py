@@ -19,7 +19,6 @@ Threads per worker are set explicitly (``--threads`` and ``OMP_NUM_THREADS``).
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import os
 import shutil
@@ -34,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvstore.errors import KVStoreError
+from kvstore.etcd import EtcdClient
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
            "resolve_model_dir", "DEFAULT_MODEL_NAME"]
@@ -175,17 +177,6 @@ class ChildProcess:
         return self.proc.returncode
 
 
-def _etcd_count(client: httpx.Client, etcd_url: str, prefix: str) -> int:
-    """Number of keys under ``prefix`` (etcd v3 JSON gateway)."""
-    key = prefix.encode()
-    end = key[:-1] + bytes([key[-1] + 1])
-    body = {"key": base64.b64encode(key).decode(), "range_end": base64.b64encode(end).decode(),
-            "count_only": True}
-    resp = client.post(f"{etcd_url}/v3/kv/range", json=body)
-    resp.raise_for_status()
-    return int(resp.json().get("count", 0))
-
-
 class LocalCluster:
     """Starts and stops the parts of ``spec``; ``on_status(line)`` reports progress."""
 
@@ -200,6 +191,7 @@ class LocalCluster:
         self._tmp: str | None = None
         self.log_dir: Path | None = None
         self._http = httpx.Client(timeout=2.0, trust_env=False)
+        self._etcd_client: EtcdClient | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> "LocalCluster":
@@ -257,6 +249,9 @@ class LocalCluster:
                 self.on_status(f"stopped {child.name} (exit {code})")
         self.children.clear()
         self._http.close()
+        if self._etcd_client is not None:
+            self._etcd_client.close()
+            self._etcd_client = None
         if self._tmp is not None:
             logs_inside = self.log_dir is not None and Path(self._tmp) in self.log_dir.parents
             data = Path(self._tmp) / "etcd-data"
@@ -354,7 +349,11 @@ class LocalCluster:
         return self.etcd_url
 
     def _registered(self, kind: str) -> int:
-        return _etcd_count(self._http, self._etcd(), f"/{self.spec.cluster}/{kind}/")
+        """How many ``kind`` (``stores``, ``workers``) are registered in the cluster now."""
+        if self._etcd_client is None:
+            self._etcd_client = EtcdClient(self._etcd())
+        members, _revision = self._etcd_client.get_prefix(f"/{self.spec.cluster}/{kind}/")
+        return len(members)
 
     def _wait(self, child: ChildProcess, ready: Callable[[], bool]) -> None:
         """Poll ``ready`` until true; fail if ``child`` exits or the deadline passes."""
@@ -367,7 +366,7 @@ class LocalCluster:
             try:
                 if ready():
                     return
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, KVStoreError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise LaunchError(f"{child.name} not ready after {self.spec.ready_timeout:.0f} s; "
