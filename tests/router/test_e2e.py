@@ -251,6 +251,26 @@ def test_no_worker_is_503(env: Env) -> None:
     assert httpx.get(f"{env.empty_router}/health", trust_env=False).status_code == 503
 
 
+def test_stop_string_ends_the_choice_and_frees_its_worker(env: Env, oracle) -> None:
+    decode_url = env.cluster.worker_urls["decode-0"]
+    prompt = env.prompt(30, 800)
+    text = env.tokenizer.decode(oracle(prompt, 200))
+    # A 3-character ASCII stop string first seen well into the text.
+    k = next(i for i in range(20, len(text) - 3)
+             if text[i:i + 3].isascii() and text[i:i + 3].isprintable() and text.find(text[i:i + 3]) == i)
+    stop = text[k:k + 3]
+    aborted = lambda: scrape(decode_url).get("kvengine_requests_finished_total",  # noqa: E731
+                                             finish_reason="abort")
+    before = aborted()
+    r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=200,
+                                        temperature=0, stop=[stop], extra_body=NO_EOS)
+    assert r.choices[0].finish_reason == "stop"
+    assert whole_chars(r.choices[0].text) == whole_chars(text[:k])
+    assert r.usage.completion_tokens < 200
+    wait_until(lambda: aborted() == before + 1, 10, "the decode worker's abort")
+    assert record(env.log, r.id)["status"] == "closed"
+
+
 def test_client_disconnect_aborts_the_request_on_its_workers(env: Env) -> None:
     decode_url = env.cluster.worker_urls["decode-0"]
     aborted = lambda: scrape(decode_url).get("kvengine_requests_finished_total",  # noqa: E731
