@@ -8,16 +8,20 @@ Eight prefill workers, block size 16. For each index size (distinct block keys i
 :class:`~router.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
 device caches through the same ordered ``stored``/``removed`` events the workers publish:
 
-- 16 system prompts (256 to 2,048 tokens, Zipf-popular); conversations start on one of them
-  and grow turn by turn (assistant reply + user message) up to 8k tokens;
+- 16 system prompts (256 to 2,048 tokens, at most a quarter of the longest prompt;
+  Zipf-popular); conversations start on one of them and grow turn by turn (assistant reply +
+  user message) up to the longest prompt (8k tokens);
 - each turn is served by the conversation's usual worker (75%) or another one, which stores
-  the prompt's blocks it lacked (a ``stored`` event); a worker over its capacity evicts least
-  recently used blocks (a ``removed`` event). A prompt touches its blocks tail to head, so a
-  worker's blocks stay prefix-closed and matches are partial and differ by worker.
+  the prompt's blocks it lacked (a ``stored`` event). Once the index holds the size asked
+  for, every worker's cache is full at the size it reached, and half as many turns again run
+  with each store evicting least recently used blocks (``removed`` events). A prompt touches
+  its blocks tail to head, so a worker's blocks stay prefix-closed and matches are partial
+  and differ by worker.
 
 Queries of 512, 2k and 8k tokens (32/128/512 keys) are drawn from the same workload: 60%
 continue a known conversation with a new user message, 30% start a new conversation on a
-known system prompt, 10% share nothing. A *decision* is ``PrefillPolicy("kv-aware").choose``
+known system prompt, 10% share nothing; a continued conversation is one at least half the
+prompt's length where there is one. A *decision* is ``PrefillPolicy("kv-aware").choose``
 over the 8 workers on precomputed keys (the index walk: leading match per worker, plus the
 TTFT estimate of each worker); the *lookup* is ``KvIndex.match`` alone. Reported separately:
 hashing a prompt's keys (``kvstore.keys.block_keys``), tokenizing its text (SmolLM2's
@@ -91,19 +95,25 @@ class Workload:
 
 
 def build_workload(target_blocks: int, seed: int, max_tokens: int) -> Workload:
-    """Events that leave ``target_blocks`` distinct keys in the index (see module docstring)."""
+    """Events that leave about ``target_blocks`` distinct keys in the index: turns until the
+    index holds that many, then half as many turns again with every worker's cache full at the
+    size it reached (each store evicts), so ingestion sees ``removed`` events at that size."""
     rng = np.random.default_rng(seed)
     wl = Workload()
-    wl.system = [rng.integers(0, VOCAB, int(rng.integers(16, 129)) * BLOCK).tolist() for _ in range(16)]
+    sys_blocks = [min(int(rng.integers(16, 129)), max_tokens // (4 * BLOCK)) for _ in range(16)]
+    wl.system = [rng.integers(0, VOCAB, n * BLOCK).tolist() for n in sys_blocks]
     popularity = 1.0 / np.arange(1, 17)
     popularity /= popularity.sum()
-    capacity = max(2 * max_tokens // BLOCK, target_blocks // 4)
     lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(WORKERS)]
+    capacity = [1 << 62] * WORKERS
     holders: dict[bytes, int] = {}
     active: list[Conversation] = []
-    for _ in range(50 * target_blocks):
-        if len(holders) >= target_blocks:
-            break
+    turns, steady = 0, None
+    while steady is None or turns < steady:
+        if steady is None and (len(holders) >= target_blocks or turns >= 50 * target_blocks):
+            steady = turns + turns // 2
+            capacity = [max(len(c), 2 * max_tokens // BLOCK) for c in lru]
+        turns += 1
         if not active or rng.random() < 0.3:
             sys_tokens = wl.system[int(rng.choice(16, p=popularity))]
             conv = Conversation(sys_tokens + _msg(rng, 32, 512), [], int(rng.integers(WORKERS)))
@@ -117,7 +127,7 @@ def build_workload(target_blocks: int, seed: int, max_tokens: int) -> Workload:
             active.remove(conv)
         conv.keys = extend_block_keys(NS, conv.keys, conv.tokens, BLOCK)
         w = conv.worker if rng.random() < 0.75 else int(rng.integers(WORKERS))
-        _serve(wl, lru[w], w, conv.keys, capacity, holders)
+        _serve(wl, lru[w], w, conv.keys, capacity[w], holders)
     wl.distinct = len(holders)
     return wl
 
@@ -152,12 +162,16 @@ def _serve(wl: Workload, cache: OrderedDict, w: int, keys: list[bytes], capacity
 
 def build_queries(wl: Workload, length: int, n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
+    # a long prompt continues a long conversation: those at least half its length, else the
+    # longest tenth
+    by_len = sorted(wl.convs, key=lambda c: len(c.tokens))
+    long = [c for c in by_len if len(c.tokens) >= length // 2] or by_len[-max(1, len(by_len) // 10):]
     out = []
     for _ in range(n):
         u = rng.random()
         new = int(rng.integers(32, 513))
         if u < 0.6:
-            base = wl.convs[int(rng.integers(len(wl.convs)))].tokens[: max(0, length - new)]
+            base = long[int(rng.integers(len(long)))].tokens[: max(0, length - new)]
         elif u < 0.9:
             base = wl.system[int(rng.integers(16))][:length]
         else:
@@ -188,13 +202,19 @@ def make_index(wl: Workload) -> tuple[KvIndex, dict]:
         t0 = clock()
         index.apply(wid, ev)
         times.append(clock() - t0)
-    return index, _ingest_summary(times, sum(len(e[2]) for e in wl.events))
+    return index, _ingest_summary(times, wl.events)
 
 
-def _ingest_summary(event_ns: list[int], blocks: int) -> dict:
-    total = sum(event_ns)
-    return {"events": len(event_ns), "blocks": blocks, "total_s": total / 1e9,
-            "ns_per_block": total / max(1, blocks), "event_us": _pcts(event_ns)}
+def _ingest_summary(event_ns: list[int], events: list) -> dict:
+    """Per event kind: events, blocks, time per block, per-event p50/p99."""
+    out = {}
+    for kind in ("stored", "removed"):
+        ns = [t for t, e in zip(event_ns, events) if e[1] == kind]
+        blocks = sum(len(e[2]) for e in events if e[1] == kind)
+        out[kind] = {"events": len(ns), "blocks": blocks,
+                     "ns_per_block": round(sum(ns) / max(1, blocks), 1), "event_us": _pcts(ns)}
+    out["total_s"] = round(sum(event_ns) / 1e9, 4)
+    return out
 
 
 def make_workers(seed: int) -> list[WorkerLoad]:
@@ -301,7 +321,8 @@ def run_cell(size: int, length: int, wl: Workload, index: KvIndex, peer: DynamoP
     lookup_args = [(k,) for k in keys]
     matches = [index.match(k) for k in keys]
     best = [max(m.values()) / len(k) for m, k in zip(matches, keys)]
-    cell = {"index_blocks": size, "prompt_tokens": length, "queries": len(keys),
+    cell = {"index_blocks": size, "distinct_blocks": len(index), "prompt_tokens": length,
+            "queries": len(keys),
             "match": {"mean_best_fraction": round(float(np.mean(best)), 3),
                       "any_hit_fraction": round(float(np.mean([b > 0 for b in best])), 3),
                       "mean_workers_hit": round(float(np.mean(
@@ -381,15 +402,18 @@ def main() -> None:
             for size in args.sizes:
                 wl = build_workload(size, args.seed + size, max(args.prompts))
                 index, ing = make_index(wl)
-                ingest[str(size)] = {"distinct_blocks": len(index), "worker_blocks": sum(
-                    index.num_blocks(w) for w in index.workers), "ours": ing}
+                ingest[str(size)] = {
+                    "distinct_blocks": len(index),
+                    "worker_blocks": sum(index.num_blocks(w) for w in index.workers),
+                    "removed_blocks": sum(len(e[2]) for e in wl.events if e[1] == "removed"),
+                    "ours": ing}
                 if peer:
                     path = peer.write("events", {"events": [
                         [w, kind, [dynamo_hash(k) for k in keys],
                          dynamo_hash(parent) if parent is not None else None]
                         for w, kind, keys, parent in wl.events]})
                     d = peer.call("load", path)
-                    ingest[str(size)]["dynamo"] = _ingest_summary(d["event_ns"], d["blocks"])
+                    ingest[str(size)]["dynamo"] = _ingest_summary(d["event_ns"], wl.events)
                     ingest[str(size)]["dynamo"]["total_with_barrier_s"] = d["total_s"]
                 steps.update()
                 for length in args.prompts:

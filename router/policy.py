@@ -192,15 +192,22 @@ class PrefillEstimate:
         return self.queue_s + self.compute_s + self.load_s
 
 
+def _split(block_size: int, num_tokens: int, device_blocks: int, store_blocks: int
+           ) -> tuple[int, int, int]:
+    """(device-hit, store-hit, uncached) tokens; the last prompt token is always computed."""
+    if not num_tokens:
+        return 0, 0, 0
+    last = num_tokens - 1
+    device = min(device_blocks * block_size, last)
+    cached = min((device_blocks if device_blocks > store_blocks else store_blocks) * block_size, last)
+    return device, cached - device, num_tokens - cached
+
+
 def estimate_prefill(
     worker: WorkerLoad, num_tokens: int, device_blocks: int, store_blocks: int
 ) -> PrefillEstimate:
     """The TTFT estimate of ``worker`` for a prompt of ``num_tokens`` tokens."""
-    bs = worker.info.block_size
-    device = min(device_blocks * bs, num_tokens - 1) if num_tokens else 0
-    cached = min(max(device_blocks, store_blocks) * bs, num_tokens - 1) if num_tokens else 0
-    store = max(0, cached - device)
-    uncached = num_tokens - cached
+    device, store, uncached = _split(worker.info.block_size, num_tokens, device_blocks, store_blocks)
     prefill_rate, load_rate = worker.prefill_rate.value, worker.load_rate.value
     return PrefillEstimate(
         worker_id=worker.worker_id,
@@ -211,6 +218,21 @@ def estimate_prefill(
         compute_s=uncached / prefill_rate,
         load_s=store / load_rate,
     )
+
+
+def _ttft_s(worker: WorkerLoad, num_tokens: int, device_blocks: int, store_blocks: int) -> float:
+    """``estimate_prefill(...).ttft_s`` (the same arithmetic, in the same order) without
+    building the estimate: the hot path scores every candidate and builds one estimate."""
+    if num_tokens:
+        bs, last = worker.info.block_size, num_tokens - 1
+        device = min(device_blocks * bs, last)
+        cached = min((device_blocks if device_blocks > store_blocks else store_blocks) * bs, last)
+        store, uncached = cached - device, num_tokens - cached
+    else:
+        store = uncached = 0
+    prefill_rate = worker.prefill_rate.value
+    return (worker.pending_prefill_tokens / prefill_rate + uncached / prefill_rate
+            + store / worker.load_rate.value)
 
 
 class PrefillPolicy:
@@ -239,15 +261,30 @@ class PrefillPolicy:
         """The chosen worker and its estimate; None when there is no candidate."""
         if not candidates:
             return None
-        ordered = sorted(candidates, key=lambda w: w.worker_id)
-        ests = self.estimates(ordered, keys, num_tokens, store_blocks)
-        if self.name == "kv-aware":
-            i = min(range(len(ordered)), key=lambda j: (ests[j].ttft_s, ordered[j].load))
-        elif self.name == "least-loaded":
-            i = min(range(len(ordered)), key=lambda j: (ordered[j].load, ests[j].ttft_s))
-        else:
-            i = next(self._counter) % len(ordered)
-        return ordered[i], ests[i]
+        if self.name == "round-robin":
+            ordered = sorted(candidates, key=lambda w: w.worker_id)
+            w = ordered[next(self._counter) % len(ordered)]
+            return w, self._estimate(w, keys, num_tokens, store_blocks)
+        # One index walk, then a float per candidate; the minimum of (primary, secondary,
+        # worker id) is what sorting by worker id and taking the first minimum would give.
+        matches = self._index.match(keys, [w.worker_id for w in candidates])
+        best, best_ttft = None, 0.0
+        for w in candidates:
+            ttft = _ttft_s(w, num_tokens, matches[w.worker_id], store_blocks)
+            if best is None:
+                best, best_ttft = w, ttft
+            elif self.name == "kv-aware":
+                if ttft < best_ttft or (ttft == best_ttft and (w.load, w.worker_id) < (best.load, best.worker_id)):
+                    best, best_ttft = w, ttft
+            elif (w.load, ttft, w.worker_id) < (best.load, best_ttft, best.worker_id):
+                best, best_ttft = w, ttft
+        assert best is not None
+        return best, estimate_prefill(best, num_tokens, matches[best.worker_id], store_blocks)
+
+    def _estimate(self, w: WorkerLoad, keys: Sequence[bytes], num_tokens: int,
+                  store_blocks: int) -> PrefillEstimate:
+        return estimate_prefill(w, num_tokens, self._index.match(keys, [w.worker_id])[w.worker_id],
+                                store_blocks)
 
 
 def blocks_needed(num_tokens: int, max_tokens: int, block_size: int) -> int:

@@ -1,0 +1,79 @@
+"""router_bench: a tiny --quick run prints the JSON it promises, and the optimized hot path
+(KvIndex.match, PrefillPolicy.choose) agrees with plain reference implementations."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.router_bench import build_workload, make_index, make_workers
+from router.policy import PrefillPolicy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "router_bench.py"), "--quick", "--out", str(tmp_path),
+         "--sizes", "200", "600", "--prompts", "256", "512", "--queries", "20", "--rounds", "2"],
+        capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert res["bench"] == "router" and res["workers"] == 8 and res["block_size"] == 16
+    assert res["machine"]["cpus"] >= 1 and res["machine"]["platform"]
+    assert res["peer"] is None
+    assert [(c["index_blocks"], c["prompt_tokens"]) for c in res["cells"]] == [
+        (200, 256), (200, 512), (600, 256), (600, 512)]
+    for c in res["cells"]:
+        assert c["queries"] == 20
+        for what in ("decision_us", "lookup_us"):
+            assert 0 < c["ours"][what]["p50"] <= c["ours"][what]["p99"]
+        assert 0 <= c["match"]["mean_best_fraction"] <= 1
+    for size in ("200", "600"):
+        ing = res["ingest"][size]
+        assert ing["distinct_blocks"] >= 0.7 * int(size)
+        assert ing["ours"]["stored"]["blocks"] > 0 and ing["ours"]["removed"]["blocks"] > 0
+    for length in ("256", "512"):
+        assert res["prep"][length]["hash_us"]["p50"] > 0
+    t = res["target"]
+    assert t["p99_under_1ms"] == (t["decision_p99_ms_max"] < 1.0)
+    assert (tmp_path / "router_bench.png").stat().st_size > 0 and res["plot"].endswith(".png")
+
+
+def _reference_match(index, keys) -> dict[str, int]:
+    """Leading blocks of ``keys`` each worker holds, one key at a time."""
+    out = {}
+    for wid in index.workers:
+        n = 0
+        while n < len(keys) and wid in index.holders(keys[n]):
+            n += 1
+        out[wid] = n
+    return out
+
+
+def test_match_and_choice_agree_with_plain_references() -> None:
+    wl = build_workload(800, seed=3, max_tokens=1024)
+    index, _ = make_index(wl)
+    workers = make_workers(4)
+    rng = random.Random(5)
+    convs = [c for c in wl.convs if c.keys]
+    for policy_name in ("kv-aware", "least-loaded"):
+        policy = PrefillPolicy(policy_name, index)
+        for _ in range(60):
+            keys = rng.choice(convs).keys
+            keys = keys[: rng.randint(0, len(keys))]
+            assert index.match(keys) == _reference_match(index, keys)
+            cands = rng.sample(workers, rng.randint(1, len(workers)))
+            n, store = len(keys) * 16 + rng.randint(0, 15), rng.randint(0, len(keys))
+            ests = sorted(policy.estimates(cands, keys, n, store), key=lambda e: e.worker_id)
+            load = {w.worker_id: w.load for w in cands}
+            if policy_name == "kv-aware":
+                want = min(ests, key=lambda e: (e.ttft_s, load[e.worker_id]))
+            else:
+                want = min(ests, key=lambda e: (load[e.worker_id], e.ttft_s))
+            chosen, est = policy.choose(cands, keys, n, store)
+            assert chosen.worker_id == want.worker_id and est == want
