@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
     u.add_argument("--ready-timeout", type=float, default=180.0)
+    for role in ("prefill", "decode", "colocated"):
+        u.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
+                       help=f"pin every {role} worker to these CPUs (e.g. 0 or 0,1 or 0-3)")
     return p
 
 
@@ -151,7 +154,9 @@ def _up(args: argparse.Namespace) -> int:
             model=args.model, etcd=args.etcd, cluster=args.cluster,
             threads_per_worker=args.threads_per_worker, store_memory=args.store_memory,
             api_key=args.api_key or None, request_log=args.request_log, log_dir=args.log_dir,
-            ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg))
+            ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg),
+            prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+            colocated_cpus=args.colocated_cpus)
     except ValueError as exc:
         print(f"kvrouter up: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,9 @@ leaving the ``with`` block) ends them in reverse order. Guarantees:
 - Nothing process-wide happens in the constructor; signal handling belongs to the CLI.
 
 Children's output goes to ``{log_dir}/{name}.log`` (a temporary directory by default).
-Threads per worker are set explicitly (``--threads`` and ``OMP_NUM_THREADS``).
+Threads per worker are set explicitly (``--threads`` and ``OMP_NUM_THREADS``); each role's
+workers may be pinned to a CPU set (``prefill_cpus``, ``decode_cpus``, ``colocated_cpus``:
+``"0"``, ``"0,1"``, ``"0-3"``), applied in the child before exec.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvstore.errors import KVStoreError
 from kvstore.etcd import EtcdClient
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
-           "resolve_model_dir", "DEFAULT_MODEL_NAME"]
+           "resolve_model_dir", "parse_cpus", "DEFAULT_MODEL_NAME"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PR_SET_PDEATHSIG = 1
@@ -53,6 +55,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as ``taskset -c`` takes it (``"0"``, ``"0,2"``, ``"0-3"``) -> CPU ids."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"not a CPU list: {text!r} (want e.g. 0 or 0,1 or 0-3)") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"not a CPU list: {text!r} (want e.g. 0 or 0,1 or 0-3)")
+    return frozenset(cpus)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -101,11 +117,17 @@ class ClusterSpec:
     ready_timeout: float = 180.0
     stop_timeout: float = 10.0
     worker_args: tuple[str, ...] = ()    # extra flags for every `kvengine serve`
+    prefill_cpus: str | None = None      # CPU list each role's workers are pinned to
+    decode_cpus: str | None = None       # (None: not pinned)
+    colocated_cpus: str | None = None
     python: str = sys.executable
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "auto"):
             raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
+        for cpus in (self.prefill_cpus, self.decode_cpus, self.colocated_cpus):
+            if cpus is not None:
+                parse_cpus(cpus)
         if self.mode == "colocated":
             return
         if self.prefill < (1 if self.mode == "disaggregated" else 0) or self.decode < 1:
@@ -122,6 +144,14 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    def setup() -> None:  # between fork and exec
+        _set_pdeathsig()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 @dataclass
 class ChildProcess:
     """One child in its own process group, its output in ``log_path``."""
@@ -130,6 +160,7 @@ class ChildProcess:
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cpus: frozenset[int] | None = None   # pinned to these CPUs (None: not pinned)
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -137,7 +168,7 @@ class ChildProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
+                env=env, start_new_session=True, preexec_fn=_child_setup(self.cpus))
 
     @property
     def pid(self) -> int | None:
@@ -262,9 +293,10 @@ class LocalCluster:
         return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
 
     # -- parts -------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ChildProcess:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               cpus: frozenset[int] | None = None) -> ChildProcess:
         assert self.log_dir is not None
-        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", env or {})
+        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", env or {}, cpus)
         child.start()
         self.children.append(child)
         return child
@@ -299,12 +331,17 @@ class LocalCluster:
         spec = self.spec
         port = free_port()
         threads = str(spec.threads_per_worker)
+        cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus,
+                     "colocated": spec.colocated_cpus}[role]
+        cpus = parse_cpus(cpus_text) if cpus_text else None
         child = self._spawn(name, self._py(
             "engine.cli", "serve", "--role", role, "--model", str(self.model_dir),
             "--port", str(port), "--etcd", self._etcd(), "--cluster", spec.cluster,
             "--threads", threads, *spec.worker_args),
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                 "TOKENIZERS_PARALLELISM": "false"})
+                 "TOKENIZERS_PARALLELISM": "false"}, cpus=cpus)
+        if cpus:
+            self.on_status(f"{name}: {threads} thread(s) pinned to CPUs {sorted(cpus)}")
         return child, role, f"http://127.0.0.1:{port}"
 
     def start_router(self, *, name: str = "router", port: int | None = None,
