@@ -78,6 +78,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=default["max_concurrency"],
                         help="0: unbounded (open loop)")
     parser.add_argument("--prewarm-concurrency", type=int, default=4)
+    parser.add_argument("--salt-per-request", action="store_true",
+                        help="send each request's id as its cache_salt: no prefix reuse between requests")
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded TTFT")
@@ -109,7 +111,8 @@ def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> W
 
 def client_config(args: argparse.Namespace, url: str, model: str) -> ClientConfig:
     return ClientConfig(url, model, request_timeout_s=args.request_timeout, max_duration_s=args.max_duration,
-                        grace_s=args.grace, max_concurrency=args.max_concurrency, progress=not args.no_progress)
+                        grace_s=args.grace, max_concurrency=args.max_concurrency, progress=not args.no_progress,
+                        salt_per_request=args.salt_per_request)
 
 
 def pin_client(cpus: str | None) -> None:
