@@ -468,7 +468,7 @@ def _plot(cells: list[dict], path: Path, peer: bool) -> None:
         ax.axhline(TARGET_P99_MS * 1e3, color="grey", linestyle=":", label="1 ms target")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("indexed blocks (distinct keys)")
+        ax.set_xlabel("index size asked for (distinct blocks)")
         ax.set_ylabel("µs per call")
         ax.set_title(f"{length}-token prompts ({length // BLOCK} keys)")
         ax.grid(alpha=0.3, which="both")
