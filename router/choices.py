@@ -83,8 +83,9 @@ async def run_choice(
                 if delta.stopped:
                     break
             else:
-                tail = detok.flush()
-                yield Delta(index, tail, [], None, item.finish_reason, offset, item.stats)
+                tail = detok.flush()  # a stop string can still match in the flushed rest
+                reason = "stop" if detok.stopped else item.finish_reason
+                yield Delta(index, tail, [], None, reason, offset, item.stats)
                 break
     end = time.monotonic()
     metrics.generation_tokens.inc(produced)

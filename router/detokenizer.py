@@ -5,18 +5,28 @@ that harder than ``decode(new_ids)``:
 
 - A character can span tokens (byte-level BPE splits multi-byte UTF-8; byte-fallback
   tokenizers emit ``<0xE2>`` tokens), and a token's text can depend on the one before it
-  (SentencePiece's leading space). The stream decoder (``tokenizers.decoders.DecodeStream``,
-  the one vLLM's fast incremental detokenizer uses) decodes a sliding window of ids and emits
-  only text that is complete: never a replacement character for a half-received character.
-  It is seeded with the prompt's last few ids so the first output token decodes in context.
+  (SentencePiece's leading space). So, as vLLM's incremental detokenizer does, the ids are
+  decoded in a sliding window ``ids[prefix_offset:]``: the text beyond ``ids[prefix_offset:
+  read_offset]`` is emitted once it no longer ends with U+FFFD (a character still waiting
+  for its remaining bytes), and the window then moves past it. At the end (``flush``) the
+  rest is emitted as ``decode`` gives it, replacement characters and all.
+- The window is seeded with the prompt's last few ids, so the first output token decodes in
+  context, but only up to a point where the prompt's text is complete: a prompt that ends in
+  half a character must not lend its bytes to the first output token (decoding the output
+  alone renders those bytes as U+FFFD, and so must the stream).
 - Stop strings may span tokens. Text that could still become a stop string (the longest suffix
   of the pending text that is a prefix of some stop string) is held back; once a stop string
   appears, the text is cut before it (or after it with ``include_stop_str_in_output``) and the
   stream is finished with reason ``"stop"``. Nothing after a stop string is ever emitted.
 
 Contract: the concatenation of every ``push(...).text`` and ``flush()`` equals
-``tokenizer.decode(all_output_ids)`` (with ``skip_special_tokens``) cut at the first stop
-string: stable text only, emitted as early as possible.
+``tokenizer.backend.decode(output_ids, skip_special_tokens=...)`` cut at the first stop string,
+for any ids (tests/router/test_detokenizer.py checks it over random sequences). That is
+``Tokenizer.decode`` for every byte-level BPE tokenizer (Llama 3, Qwen2/3, SmolLM2, the tiny
+test model); the one exception is a tokenizer whose decoder drops the first token's leading
+space (SentencePiece's Metaspace): there the prompt context keeps the space, as vLLM and
+OpenAI return a continuation. ``clean_up_tokenization_spaces`` is not applied to streamed text
+(it is off for every BPE tokenizer, see ``engine.tokenizer``).
 """
 
 from __future__ import annotations
@@ -24,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
-
 from engine.tokenizer import Tokenizer
 
 __all__ = ["Delta", "IncrementalDetokenizer", "normalize_stop"]
 
-_PROMPT_CONTEXT_TOKENS = 6  # ids of prompt context the stream decoder is seeded with
+_PROMPT_CONTEXT_TOKENS = 6  # prompt ids the decoding window starts with (at most)
+_INCOMPLETE = "\ufffd"      # what decode gives for bytes of a character not yet complete
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +83,13 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer.backend
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []        # every output id (for the fallback below)
-        self._decoded_len = 0            # characters of output decoded so far
-        self._fallback = False
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
-            self._stream.step(self._tok, token_id)  # context only: its text is not output
+        # The decoding window: ids[prefix_offset:read_offset] is text already emitted (or
+        # prompt context), kept so the next token decodes in context; what lies beyond it is
+        # pending until it decodes to complete characters.
+        self._ids = self._context(prompt_token_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
         self._stops = normalize_stop(stop)
         self._include_stop = include_stop_str_in_output
         self._held = ""           # decoded text not yet emitted (a possible stop-string prefix)
@@ -102,41 +112,60 @@ class IncrementalDetokenizer:
             return Delta("", 0, None)
         out: list[str] = []
         for i, token_id in enumerate(token_ids):
-            piece = self._step(token_id)
+            self._ids.append(token_id)
             self.num_tokens += 1
+            piece = self._step()
             if not piece:
                 continue
             self._held += piece
-            if self._stops and self._check_stop(out):
+            if self._check_stop(out):
                 return Delta(self._record(out), i + 1, self.stop_str)
-            safe = len(self._held) - self._stop_prefix_len()
-            if safe:
-                out.append(self._held[:safe])
-                self._held = self._held[safe:]
+            self._emit_safe(out)
         return Delta(self._record(out), len(token_ids))
 
-    def _step(self, token_id: int) -> str | None:
-        """The stream decoder's next piece. Should it ever fail (tokenizers reports an
-        inconsistent prefix for some decoders), fall back to decoding all output ids and
-        emitting the stable difference: slower, never wrong."""
-        self._ids.append(token_id)
-        if not self._fallback:
-            try:
-                piece = self._stream.step(self._tok, token_id)
-                self._decoded_len += len(piece) if piece else 0
-                return piece
-            except Exception:  # noqa: BLE001 - any decoder failure takes the slow path
-                self._fallback = True
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip_special)
-        if text.endswith("\ufffd") or len(text) <= self._decoded_len:
-            return None
-        piece, self._decoded_len = text[self._decoded_len:], len(text)
+    def flush(self) -> str:
+        """The stream ended: release the text held back, and the window's rest as ``decode``
+        gives it (a character cut off by the end stays U+FFFD). A stop string can still
+        match in that rest; ``stopped`` then says so and the text is cut there."""
+        if self.stopped:
+            return ""
+        out: list[str] = []
+        text = self._decode(self._ids[self._prefix_offset:])
+        self._held += text[len(self._prefix_text):]
+        if not self._check_stop(out):
+            out.append(self._held)
+            self._held = ""
+        return self._record(out)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=self._skip_special)
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last few ids, shortened until their text is complete (a prompt ending
+        in half a character gives no context past the last whole one)."""
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        while context and self._decode(context).endswith(_INCOMPLETE):
+            context.pop()
+        return context
+
+    def _step(self) -> str:
+        """The window's new complete text after the id just appended ("" while pending)."""
+        text = self._decode(self._ids[self._prefix_offset:])
+        if len(text) <= len(self._prefix_text) or text.endswith(_INCOMPLETE):
+            return ""
+        piece = text[len(self._prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         return piece
 
-    def flush(self) -> str:
-        """The stream ended without a stop string: release the text held back."""
-        text, self._held = ("" if self.stopped else self._held), ""
-        return self._record([text])
+    def _emit_safe(self, out: list[str]) -> None:
+        """Move the held text that cannot start a stop string to ``out``."""
+        safe = len(self._held) - self._stop_prefix_len()
+        if safe:
+            out.append(self._held[:safe])
+            self._held = self._held[safe:]
 
     def _record(self, parts: list[str]) -> str:
         text = "".join(parts)
