@@ -11,6 +11,12 @@
 
 Timeouts: connecting and unary calls use ``timeout``; streams use ``stream_read_timeout``
 between lines (None: wait forever, e.g. for the event stream of an idle worker).
+
+Every failure to talk to the worker is a :class:`WorkerUnavailable`, whatever raised it:
+httpx's transport and stream errors, a line that does not parse, and a client closed under
+the call (the pool closes a worker's client when it drops the worker, which can happen while
+a request is on its way to it: httpx then raises a bare ``RuntimeError``). So a request
+caught in that race fails over like any other.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from contextlib import aclosing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import httpx
@@ -88,7 +94,7 @@ class WorkerClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk | GenerateFinal]:
         """Stream one request's output; the last item is always a :class:`GenerateFinal`."""
-        try:
+        with self._failures(f"generate {request.request_id}"):
             async with self._http.stream("POST", "/generate", json=request.to_json(),
                                          timeout=self._stream_timeout) as resp:
                 await self._check(resp)
@@ -99,53 +105,46 @@ class WorkerClient:
                     yield item
                     if isinstance(item, GenerateFinal):
                         return
-        except httpx.HTTPError as exc:
-            raise WorkerUnavailable(self.worker_id, f"generate {request.request_id}: {exc!r}") from exc
-        except ApiValidationError as exc:
-            raise WorkerUnavailable(self.worker_id, f"bad stream line: {exc}") from exc
         raise WorkerUnavailable(self.worker_id,
                                 f"generate {request.request_id}: stream ended before its final line")
 
     async def abort(self, request_id: str) -> bool:
         """Ask the worker to free ``request_id``; False when it could not be told."""
         try:
-            resp = await self._http.post("/abort", json={"request_id": request_id})
+            with self._failures(f"abort {request_id}"):
+                resp = await self._http.post("/abort", json={"request_id": request_id})
             return resp.status_code < 400
-        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: client already closed
-            log.info("abort %s on %s failed: %r", request_id, self.worker_id, exc)
+        except WorkerUnavailable as exc:
+            log.info("abort %s failed: %s", request_id, exc)
             return False
 
     async def info_now(self) -> WorkerInfo:
         """``GET /info``."""
-        return WorkerInfo.from_json(await self._get_json("/info"))
+        with self._failures("info"):
+            return WorkerInfo.from_json(await self._get_json("/info"))
 
     async def snapshot(self) -> Snapshot:
         """``GET /snapshot``."""
-        try:
+        with self._failures("snapshot"):
             return Snapshot.from_json(await self._get_json("/snapshot"))
-        except ApiValidationError as exc:
-            raise WorkerUnavailable(self.worker_id, f"bad snapshot: {exc}") from exc
 
     async def health(self) -> bool:
         try:
-            return (await self._http.get("/health")).status_code == 200
-        except httpx.HTTPError:
+            with self._failures("health"):
+                return (await self._http.get("/health")).status_code == 200
+        except WorkerUnavailable:
             return False
 
     async def events(self, since: int) -> AsyncIterator[WorkerEvent]:
         """``GET /events?since=``: events after ``since``, until the stream ends."""
         timeout = httpx.Timeout(self._timeout, read=None)
-        try:
+        with self._failures("event stream"):
             async with self._http.stream("GET", "/events", params={"since": since},
                                          timeout=timeout) as resp:
                 await self._check(resp)
                 async for line in resp.aiter_lines():
                     if line.strip():
                         yield parse_event(self._json(line))
-        except httpx.HTTPError as exc:
-            raise WorkerUnavailable(self.worker_id, f"event stream: {exc!r}") from exc
-        except ApiValidationError as exc:
-            raise WorkerUnavailable(self.worker_id, f"bad event: {exc}") from exc
 
     async def follow_events(self, index: KvIndex, on_load: Callable[[LoadFigures], None],
                             *, retry_interval: float = 0.5) -> None:
@@ -172,11 +171,25 @@ class WorkerClient:
 
     # --- helpers --------------------------------------------------------------------------
 
-    async def _get_json(self, path: str) -> Any:
+    @contextmanager
+    def _failures(self, what: str) -> Iterator[None]:
+        """Raise every failure to talk to the worker as :class:`WorkerUnavailable` (see the
+        module docstring); ``WorkerError`` s pass through."""
         try:
+            yield
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            raise WorkerUnavailable(self.worker_id, f"{what}: {exc!r}") from exc
+        except ApiValidationError as exc:
+            raise WorkerUnavailable(self.worker_id, f"{what}: bad message: {exc}") from exc
+        except RuntimeError as exc:
+            if not self._http.is_closed:
+                raise
+            raise WorkerUnavailable(self.worker_id, f"{what}: the client is closed (the worker "
+                                    f"left the pool): {exc}") from exc
+
+    async def _get_json(self, path: str) -> Any:
+        with self._failures(f"GET {path}"):
             resp = await self._http.get(path)
-        except httpx.HTTPError as exc:
-            raise WorkerUnavailable(self.worker_id, f"GET {path}: {exc!r}") from exc
         await self._check(resp)
         return self._json(resp.text)
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api_types import GenerateFinal, LoadFigures, SamplingParams, WorkerInfo
+from engine.api_types import GenerateFinal, GenerateRequest, LoadFigures, SamplingParams, WorkerInfo
 from engine.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.failover import pick_decode, with_room
@@ -38,6 +38,7 @@ from router.orchestrator import Orchestrator
 from router.policy import PrefillPolicy, WorkerLoad
 from router.request_log import RequestLog
 from router.serving import ServeRequest
+from router.worker_client import WorkerUnavailable
 from router.worker_pool import StaticMembership, WorkerHandle, WorkerPool
 from tests.router.cluster_probe import (Metrics, random_prompt, record, records, scrape,
                                         wait_until, worker_id)
@@ -282,6 +283,38 @@ def test_every_worker_failing_ends_in_503(tmp_path: Path) -> None:
                                                               SamplingParams(max_tokens=9)))]
             rec = records(log_path)[0]
             assert rec["status"] == "error" and rec["output_tokens"] == 2
+        finally:
+            await pool.close()
+            await wa.stop()
+            await wb.stop()
+    _run(body())
+
+
+def test_a_worker_dropped_by_the_pool_mid_request_fails_over(tmp_path: Path) -> None:
+    """The pool closes a dropped worker's client; a request already routed there must see
+    WorkerUnavailable (and fail over), not httpx's "client has been closed" RuntimeError."""
+    async def body() -> None:
+        wa, wb = await FakeWorker("wa").start(), await FakeWorker("wb").start()
+        orch, pool, log_path = await _fake_router(tmp_path, wa, wb)
+        try:
+            handles = {h.worker_id: h for h in pool.workers()}
+            with pytest.raises(WorkerUnavailable, match="client is closed"):
+                await handles["wa"].client.aclose()
+                _ = [x async for x in handles["wa"].client.generate(
+                    GenerateRequest("r0", [1], SamplingParams(max_tokens=2)))]
+            assert not await handles["wa"].client.abort("r0")      # never raises either
+            # Whichever worker the request is routed to first, it gets its tokens.
+            items = [x async for x in orch.serve(ServeRequest("r4", "tiny", [1, 2],
+                                                              SamplingParams(max_tokens=3)))]
+            assert [t for x in items[:-1] for t in x.token_ids] == [3, 4, 5]
+            assert [r.request_id for r in wb.requests] == ["r4"] and not wa.requests
+            # Every worker gone that way: a 503, not an internal error.
+            await handles["wb"].client.aclose()
+            with pytest.raises(ServiceUnavailable):
+                _ = [x async for x in orch.serve(ServeRequest("r5", "tiny", [1, 2],
+                                                              SamplingParams(max_tokens=3)))]
+            failed = records(log_path)[-1]["phases"]
+            assert failed and all("client is closed" in p["error"] for p in failed)
         finally:
             await pool.close()
             await wa.stop()
