@@ -8,7 +8,7 @@ Building blocks, one noun a module::
     policy                            TTFT estimates, prefill / decode choice, auto-mode decision
     worker_client / worker_pool       the worker HTTP API; the etcd-fed set of live workers
     serving                           the Orchestrator contract (ServeRequest -> token stream)
-    colocated / orchestrator          orchestrators: whole requests on one worker / P→D
+    orchestrator / failover           placement (disaggregated, colocated, auto); retries, resumes
     choices / app                     one choice's text; the FastAPI app
     metrics / config                  Prometheus collectors; RouterConfig
 

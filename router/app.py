@@ -1,12 +1,12 @@
 """The router's OpenAI-compatible HTTP app (FastAPI).
 
-``create_app(config, pool=..., orchestrator_factory=...)`` wires the building blocks:
+``create_app(config, pool=..., store_prefix=..., request_log=...)`` wires the building blocks:
 
 - text in: :mod:`router.openai_types` parses and validates; the tokenizer encodes prompts or
   renders the chat template; prompt + ``max_tokens`` is checked against the model's context.
-- placement: an :class:`~router.serving.Orchestrator` (built by ``orchestrator_factory`` from
-  the :class:`AppState`; the default is :class:`~router.colocated.ColocatedOrchestrator`)
-  streams each choice's token ids; :mod:`router.choices` turns them into text.
+- placement: :class:`router.orchestrator.Orchestrator` in ``config.mode`` (disaggregated,
+  colocated or auto, with failover) streams each choice's token ids; :mod:`router.choices`
+  turns them into text.
 - text out: :mod:`router.openai_responses` builds bodies and SSE chunks.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
@@ -36,7 +36,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.api_types import WorkerInfo
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.choices import ChoiceResult, Delta, collect_choice, run_choice
-from router.colocated import ColocatedOrchestrator
 from router.config import RouterConfig
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
@@ -51,8 +50,10 @@ from router.openai_types import (
     TooManyRequests,
     Unauthorized,
 )
-from router.policy import PrefillPolicy
-from router.serving import Orchestrator, ServeRequest
+from router.orchestrator import Orchestrator
+from router.policy import PrefillPolicy, StorePrefixFn
+from router.request_log import RequestLog
+from router.serving import ServeRequest
 from router.worker_client import WorkerError, WorkerRejected
 from router.worker_pool import WorkerPool
 
@@ -61,19 +62,15 @@ __all__ = ["AppState", "create_app"]
 
 @dataclass(eq=False)
 class AppState:
-    """Everything a request handler (and an orchestrator factory) needs."""
+    """Everything a request handler needs."""
 
     config: RouterConfig
     tokenizer: Tokenizer
     pool: WorkerPool
     policy: PrefillPolicy
     metrics: RouterMetrics
-    orchestrator: Orchestrator | None = None
+    orchestrator: Orchestrator
     in_flight: int = 0
-
-
-def _default_orchestrator(state: AppState) -> Orchestrator:
-    return ColocatedOrchestrator(state.pool, state.policy, state.metrics)
 
 
 def create_app(
@@ -82,17 +79,24 @@ def create_app(
     pool: WorkerPool | None = None,
     tokenizer: Tokenizer | None = None,
     metrics: RouterMetrics | None = None,
-    orchestrator_factory: Callable[[AppState], Orchestrator] = _default_orchestrator,
+    store_prefix: StorePrefixFn | None = None,
+    request_log: RequestLog | None = None,
 ) -> FastAPI:
-    """The app; ``pool`` defaults to one watching ``config.etcd`` (required then)."""
+    """The app; ``pool`` defaults to one watching ``config.etcd`` (required then).
+    ``store_prefix`` (a store client's ``prefix_len``) lets placement count store hits;
+    ``request_log`` receives one record per choice (default: the ``kvrouter.requests`` logger)."""
     if pool is None:
         if config.etcd is None:
             raise ValueError("RouterConfig.etcd is required when no WorkerPool is given")
         pool = WorkerPool.from_etcd(config.etcd, config.cluster, rates=config.rates,
                                     client_timeout=config.worker_timeout_s)
-    state = AppState(config, tokenizer or Tokenizer.from_dir(config.model_dir), pool,
-                     PrefillPolicy(config.policy, pool.index), metrics or RouterMetrics())
-    state.orchestrator = orchestrator_factory(state)
+    metrics = metrics or RouterMetrics()
+    policy = PrefillPolicy(config.policy, pool.index)
+    orchestrator = Orchestrator(pool, policy, metrics, mode=config.mode,
+                                auto_threshold=config.auto_threshold_tokens,
+                                store_prefix=store_prefix, request_log=request_log)
+    state = AppState(config, tokenizer or Tokenizer.from_dir(config.model_dir), pool, policy,
+                     metrics, orchestrator)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -232,7 +236,7 @@ async def _serve(state: AppState, kind: str, model: str, info: WorkerInfo,
             index = i * options.n + j
             sreq = ServeRequest(f"{fmt.id}-{index}", model, prompt,
                                 options.sampling(max_tokens[i], j), options.cache_salt)
-            serves.append(run_choice(state.orchestrator, state.tokenizer, state.metrics,  # type: ignore[arg-type]
+            serves.append(run_choice(state.orchestrator, state.tokenizer, state.metrics,
                                      sreq, options, index, arrival))
     prompt_tokens = sum(len(p) for p in prompts)
     if options.stream:

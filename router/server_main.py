@@ -1,8 +1,9 @@
 """Assembles and runs one router process: app, placement, store lookups, etcd registration.
 
-``build_app(config)`` wires ``router.app.create_app`` with this package's ``Orchestrator``
-(disaggregated / colocated / auto placement with failover), a store client for the
-``kv-aware`` policy's store-hit lookups (``prefix_len``), and the per-request JSONL log.
+``build_app(config)`` gives ``router.app.create_app`` (whose orchestrator does disaggregated /
+colocated / auto placement with failover) a store client for store-hit lookups
+(``prefix_len``, used by the ``kv-aware`` policy and ``auto`` mode) and the per-request JSONL
+log.
 ``run_router(config)`` serves it with uvicorn and registers the router in etcd under
 ``/{cluster}/routers/{id}`` (lease-kept; gone within the TTL when the process dies). SIGTERM
 or SIGINT stop it gracefully (uvicorn's own handling); the registration, the store client and
@@ -28,7 +29,6 @@ from fastapi import FastAPI
 
 from kvstore.errors import KVStoreError
 from router.config import RouterConfig
-from router.orchestrator import Orchestrator
 from router.request_log import RequestLog
 
 __all__ = ["RouterParts", "build_app", "run_router"]
@@ -69,21 +69,15 @@ def _store_client(config: RouterConfig) -> Any | None:
 
 def build_app(config: RouterConfig) -> RouterParts:
     """The router's FastAPI app with this package's orchestrator (see the module docstring)."""
-    from router.app import AppState, create_app
+    from router.app import create_app
 
     request_log = RequestLog(config.request_log)
     store = _store_client(config)
     parts = RouterParts(app=None, request_log=request_log, store=store)  # type: ignore[arg-type]
     if store is not None:
         parts.closers.append(store.close)
-
-    def orchestrator(state: AppState) -> Orchestrator:
-        return Orchestrator(state.pool, state.policy, state.metrics, mode=config.mode,
-                            auto_threshold=config.auto_threshold_tokens,
-                            store_prefix=store.prefix_len if store is not None else None,
-                            request_log=request_log)
-
-    parts.app = create_app(config, orchestrator_factory=orchestrator)
+    parts.app = create_app(config, store_prefix=store.prefix_len if store is not None else None,
+                           request_log=request_log)
     return parts
 
 
