@@ -19,8 +19,9 @@ applies stop strings; this module owns placement). For each ``ServeRequest``:
    while the fleet is busy), resumed on another decode worker if one dies mid-stream; every
    worker still holding the request is aborted when the stream ends early.
 3. Yield ``GenerateChunk`` s (each output id once, in order, across failovers) and one
-   ``GenerateFinal``: its token and latency figures are the first phase's (how the prompt
-   was served), its KV bytes and store seconds the sum over the phases (``_request_stats``).
+   ``GenerateFinal``: its token and latency figures are the first successful phase's (how
+   the prompt was served; a later decode phase loads the same prompt again), its KV bytes
+   and store seconds the sum over the phases (``_request_stats``; router/serving.py says why).
 
 Errors before the first token are ``OpenAIError`` s (``ServiceUnavailable`` when no worker can
 serve; ``BadRequest`` when a worker refuses the request as malformed).

@@ -9,7 +9,13 @@ them :class:`GenerateRequest` s, and yields the token stream of one choice::
 
 Contract of ``serve``:
 - Yields :class:`GenerateChunk` s (the output ids, in order, each exactly once, even across a
-  failover) and ends with exactly one :class:`GenerateFinal` whose ``stats`` sum the phases.
+  failover) and ends with exactly one :class:`GenerateFinal` whose ``stats`` describe the
+  request, not one worker: its token and latency figures (computed / device-hit / store-hit
+  prompt tokens, queue, prefill and first-token seconds) are the first successful phase's,
+  because that phase is how the prompt was served (a decode phase after it loads the same
+  prompt again; summing would count the prompt twice, and ``usage``'s cached tokens could
+  exceed the prompt); its KV bytes and store seconds are summed over every phase, because
+  each phase moved its own.
 - Raises :class:`~router.openai_types.OpenAIError` subclasses for what the client should see
   before any token (``ServiceUnavailable`` when no worker can serve, ``TooManyRequests``).
 - If the caller stops iterating early (a stop string matched, the client disconnected) it

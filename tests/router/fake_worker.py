@@ -1,5 +1,7 @@
 """A fake worker speaking the worker HTTP API (aiohttp, in the test's own loop), for unit
-tests of the router's client and pool. It generates ``prompt[-1] + 1, + 2, ...``."""
+tests of the router's client, pool, orchestrator and app. It generates ``prompt[-1] + 1, + 2,
+...`` (or ``script``); a ``phase="prefill"`` request gets the first token only, as a real
+prefill worker's handoff."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class FakeWorker:
         self.snapshots = 0
         self.script: list[int] | None = None  # ids to generate (default: prompt[-1] + 1, ...)
         self.token_delay = 0.0
+        self.stats: RequestStats | None = None   # the final line's stats (default: below)
         self.in_progress: set[str] = set()
         self._cond = asyncio.Condition()
         self._closing = False
@@ -110,7 +113,8 @@ class FakeWorker:
         reason = "length"
         self.in_progress.add(gen.request_id)
         try:
-            for i in range(start, gen.sampling.max_tokens):
+            end = start + 1 if gen.phase == "prefill" else gen.sampling.max_tokens
+            for i in range(start, min(end, gen.sampling.max_tokens)):
                 if self.break_after is not None and i - start >= self.break_after:
                     return resp  # the stream ends without its final line
                 if self.script is not None and i >= len(self.script):
@@ -125,8 +129,9 @@ class FakeWorker:
                 await asyncio.sleep(self.token_delay)
         finally:
             self.in_progress.discard(gen.request_id)
-        final = GenerateFinal(reason, RequestStats(computed_prompt_tokens=len(gen.prompt_token_ids),  # type: ignore[arg-type]
-                                                   device_hit_tokens=4, prefill_s=0.01))
+        stats = self.stats or RequestStats(computed_prompt_tokens=len(gen.prompt_token_ids),
+                                           device_hit_tokens=4, prefill_s=0.01)
+        final = GenerateFinal(reason, stats)  # type: ignore[arg-type]
         await resp.write(json.dumps(final.to_json()).encode() + b"\n")
         return resp
 

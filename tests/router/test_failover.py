@@ -27,7 +27,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api_types import GenerateFinal, GenerateRequest, LoadFigures, SamplingParams, WorkerInfo
+from engine.api_types import (GenerateFinal, GenerateRequest, LoadFigures, RequestStats,
+                              SamplingParams, WorkerInfo)
 from engine.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.failover import pick_decode, with_room
@@ -222,12 +223,40 @@ def _run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 30))
 
 
-async def _fake_router(tmp_path: Path, *fakes: FakeWorker) -> tuple[Orchestrator, WorkerPool, Path]:
+async def _fake_router(tmp_path: Path, *fakes: FakeWorker,
+                       mode: str = "colocated") -> tuple[Orchestrator, WorkerPool, Path]:
     pool = await WorkerPool(StaticMembership([f.info for f in fakes])).start()
     log_path = tmp_path / "requests.jsonl"
     orch = Orchestrator(pool, PrefillPolicy("least-loaded", pool.index), RouterMetrics(),
-                        mode="colocated", request_log=RequestLog(str(log_path)))
+                        mode=mode, request_log=RequestLog(str(log_path)))  # type: ignore[arg-type]
     return orch, pool, log_path
+
+
+def test_final_stats_are_how_the_prompt_was_served_plus_every_phase_s_transfers(tmp_path: Path) -> None:
+    """serving.py's contract: token and latency figures from the first phase (the decode
+    phase loads the same prompt again), KV bytes and store seconds summed over the phases."""
+    async def body() -> None:
+        p, d = await FakeWorker("p", "prefill").start(), await FakeWorker("d", "decode").start()
+        p.stats = RequestStats(computed_prompt_tokens=4, device_hit_tokens=16, store_hit_tokens=0,
+                               kv_bytes_saved=100, store_save_s=0.5, queue_s=0.01,
+                               prefill_s=0.2, first_token_s=0.25)
+        d.stats = RequestStats(computed_prompt_tokens=5, store_hit_tokens=16, kv_bytes_loaded=100,
+                               store_load_s=0.125, queue_s=0.02, prefill_s=0.1, first_token_s=0.3)
+        orch, pool, _ = await _fake_router(tmp_path, p, d, mode="disaggregated")
+        try:
+            items = [x async for x in orch.serve(ServeRequest("r6", "tiny", list(range(1, 21)),
+                                                              SamplingParams(max_tokens=3)))]
+            assert [t for x in items[:-1] for t in x.token_ids] == [21, 22, 23]
+            assert [r.phase for r in p.requests + d.requests] == ["prefill", "decode"]
+            assert items[-1].stats == RequestStats(
+                computed_prompt_tokens=4, device_hit_tokens=16, store_hit_tokens=0,
+                kv_bytes_saved=100, kv_bytes_loaded=100, store_save_s=0.5, store_load_s=0.125,
+                queue_s=0.01, prefill_s=0.2, first_token_s=0.25)
+        finally:
+            await pool.close()
+            await p.stop()
+            await d.stop()
+    _run(body())
 
 
 def test_a_broken_stream_resumes_with_the_tokens_already_sent(tmp_path: Path) -> None:
