@@ -25,15 +25,15 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.api_types import WorkerInfo
+from engine.api_types import RequestStats, WorkerInfo
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.choices import ChoiceResult, Delta, collect_choice, run_choice
 from router.config import RouterConfig
@@ -58,6 +58,8 @@ from router.worker_client import WorkerError, WorkerRejected
 from router.worker_pool import WorkerPool
 
 __all__ = ["AppState", "create_app"]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -153,7 +155,7 @@ def create_app(
         if any(t >= vocab for p in prompts for t in p):
             raise BadRequest(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1})",
                              param="prompt")
-        return await _serve(state, "completion", model, info, prompts, req.options)
+        return await _serve(state, request, "completion", model, info, prompts, req.options)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -164,7 +166,7 @@ def create_app(
                                               **req.template_kwargs)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), param="messages") from exc
-        return await _serve(state, "chat", model, info, [ids], req.options)
+        return await _serve(state, request, "chat", model, info, [ids], req.options)
 
     return app
 
@@ -220,7 +222,7 @@ def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: in
     return options.max_tokens
 
 
-async def _serve(state: AppState, kind: str, model: str, info: WorkerInfo,
+async def _serve(state: AppState, http: Request, kind: str, model: str, info: WorkerInfo,
                  prompts: list[list[int]], options: RequestOptions) -> Response:
     max_tokens = [_check_lengths(p, options, info.max_model_len) for p in prompts]
     if state.in_flight >= state.config.max_inflight_requests:
@@ -242,30 +244,71 @@ async def _serve(state: AppState, kind: str, model: str, info: WorkerInfo,
     if options.stream:
         return StreamingResponse(_stream(state, fmt, kind, serves, options, prompt_tokens),
                                  media_type="text/event-stream")
+    return await _respond(state, http, fmt, kind, serves, options, prompt_tokens)
+
+
+async def _respond(state: AppState, http: Request, fmt: ResponseFormatter, kind: str,
+                   serves: list[AsyncIterator[Delta]], options: RequestOptions,
+                   prompt_tokens: int) -> Response:
+    """The non-streaming body: every choice collected. A client that disconnects first
+    cancels the collection, which closes the choice streams and so aborts the request on
+    its workers (as a streaming client's disconnect does)."""
     state.in_flight += 1
     state.metrics.in_flight.inc()
     tasks = [asyncio.create_task(collect_choice(s, i, options.logprobs is not None))
              for i, s in enumerate(serves)]
+    status = "200"
     try:
-        results = await asyncio.gather(*tasks)
+        results = await _unless_disconnected(http, asyncio.gather(*tasks))
+    except _ClientGone:
+        status = "499"
+        return Response(status_code=499)
     except WorkerRejected as exc:
-        state.metrics.requests.labels(kind, "400").inc()
+        status = "400"
         raise BadRequest(str(exc)) from exc
     except WorkerError as exc:
-        state.metrics.requests.labels(kind, "503").inc()
+        status = "503"
         raise ServiceUnavailable(str(exc)) from exc
     except OpenAIError as exc:
-        state.metrics.requests.labels(kind, str(exc.status)).inc()
+        status = str(exc.status)
         raise
     finally:
         state.in_flight -= 1
         state.metrics.in_flight.dec()
-        for t in tasks:  # one choice failed (or we were cancelled): stop the others
+        state.metrics.requests.labels(kind, status).inc()
+        for t in tasks:  # one choice failed (or the client left): stop the others
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    state.metrics.requests.labels(kind, "200").inc()
-    return JSONResponse(fmt.response([_choice_json(fmt, r, options) for r in results],
-                                     _usage(prompt_tokens, results)))
+    stats = {r.index: r.stats for r in results if r.stats is not None}
+    usage = usage_json(prompt_tokens, sum(len(r.token_ids) for r in results),
+                       _cached_tokens(stats, options.n))
+    return JSONResponse(fmt.response([_choice_json(fmt, r, options) for r in results], usage))
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+async def _unless_disconnected(http: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled and
+    :class:`_ClientGone` raised. The body has been read, so the next ASGI message the server
+    can deliver is the disconnect: one waiting ``receive``, no polling."""
+    job = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(client_gone())
+    try:
+        await asyncio.wait((job, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not job.done():
+            job.cancel()
+    if job.done() and not job.cancelled():
+        return job.result()
+    raise _ClientGone()
 
 
 def _choice_json(fmt: ResponseFormatter, r: ChoiceResult, options: RequestOptions) -> dict[str, Any]:
@@ -273,9 +316,16 @@ def _choice_json(fmt: ResponseFormatter, r: ChoiceResult, options: RequestOption
     return fmt.choice(r.index, r.text, r.finish_reason, logprobs)
 
 
-def _usage(prompt_tokens: int, results: list[ChoiceResult]) -> dict[str, Any]:
-    cached = sum((r.stats.device_hit_tokens + r.stats.store_hit_tokens) for r in results if r.stats)
-    return usage_json(prompt_tokens, sum(len(r.token_ids) for r in results), cached)
+def _cached_tokens(stats: dict[int, RequestStats], n: int) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's and vLLM's meaning): prompt
+    tokens found cached, in a worker's device cache or in the store, from each choice's
+    final stats. Counted once per prompt, as ``prompt_tokens`` is: the ``n`` choices of a
+    prompt (indexes ``i * n + j``) share it, and the most any of them found is its figure."""
+    per_prompt: dict[int, int] = {}
+    for index, st in stats.items():
+        hit = st.device_hit_tokens + st.store_hit_tokens
+        per_prompt[index // n] = max(per_prompt.get(index // n, 0), hit)
+    return sum(per_prompt.values())
 
 
 async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
@@ -296,6 +346,7 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
 
     status = "200"
     completion_tokens = 0
+    stats: dict[int, RequestStats] = {}
     state.in_flight += 1
     state.metrics.in_flight.inc()
     tasks = [asyncio.create_task(pump(s)) for s in serves]
@@ -313,14 +364,17 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
                 status = str(err.status)
                 yield sse(err.to_json())
                 break
-            elif item.text or item.finish_reason is not None or item.logprobs:
-                completion_tokens += len(item.token_ids)
-                lps = fmt.logprobs(item.token_ids, item.logprobs, item.text_offset) if item.logprobs else None
-                yield sse(fmt.chunk(item.index, item.text, item.finish_reason, lps))
             else:
                 completion_tokens += len(item.token_ids)
+                if item.stats is not None:
+                    stats[item.index] = item.stats
+                if item.text or item.finish_reason is not None or item.logprobs:
+                    lps = (fmt.logprobs(item.token_ids, item.logprobs, item.text_offset)
+                           if item.logprobs else None)
+                    yield sse(fmt.chunk(item.index, item.text, item.finish_reason, lps))
         if options.include_usage and status == "200":
-            yield sse(fmt.usage_chunk(usage_json(prompt_tokens, completion_tokens)))
+            usage = usage_json(prompt_tokens, completion_tokens, _cached_tokens(stats, options.n))
+            yield sse(fmt.usage_chunk(usage))
         yield SSE_DONE
     except asyncio.CancelledError:
         status = "499"  # the client went away

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible app end to end over HTTP (uvicorn), with the colocated orchestrator
-and a fake worker; the official openai client talks to it unchanged."""
+"""The OpenAI-compatible app end to end over HTTP (uvicorn), with the orchestrator in colocated
+mode and a fake worker; the official openai client talks to it unchanged."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 
+from engine.api_types import RequestStats
 from router.app import create_app
 from router.config import RouterConfig
 from router.worker_pool import StaticMembership, WorkerPool
@@ -130,6 +131,51 @@ def test_stop_string_cuts_text_and_aborts_the_worker(tokenizer_dir: Path, tokeni
             assert 'kvrouter_routing_decisions_total{phase="full",worker="w0"} 2.0' in metrics
             assert 'kvrouter_requests_total{endpoint="completion",status="499"} 1.0' in metrics
             assert "kvrouter_time_to_first_token_seconds_count 2.0" in metrics
+        await fake.stop()
+
+    _run(body)
+
+
+def test_usage_reports_cached_prompt_tokens(tokenizer_dir: Path, tokenizer) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` (device + store hits from the worker's
+    stats), streamed or not, counted once per prompt however many choices share it."""
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        fake.stats = RequestStats(computed_prompt_tokens=3, device_hit_tokens=4, store_hit_tokens=2)
+        prompt = "What is the capital of France? " * 2
+        async with _router(tokenizer_dir, [fake]) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            out = await client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+            assert out.usage.prompt_tokens_details.cached_tokens == 6
+            two = await client.completions.create(model="tiny", prompt=prompt, max_tokens=3, n=2)
+            assert two.usage.prompt_tokens == out.usage.prompt_tokens
+            assert two.usage.prompt_tokens_details.cached_tokens == 6
+            stream = await client.completions.create(
+                model="tiny", prompt=[prompt, "Hello world! " * 3], max_tokens=3, n=2,
+                stream=True, stream_options={"include_usage": True})
+            usage = [c.usage async for c in stream if c.usage is not None]
+            assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 12
+        await fake.stop()
+
+    _run(body)
+
+
+def test_a_non_streaming_client_that_disconnects_aborts_the_request(tokenizer_dir: Path,
+                                                                    tokenizer) -> None:
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        fake.script = None                       # prompt[-1] + 1, ...: as long as max_tokens
+        fake.token_delay = 0.05                  # 100 tokens: 5 s if nobody stops it
+        async with _router(tokenizer_dir, [fake]) as url:
+            async with httpx.AsyncClient(base_url=url) as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post("/v1/completions", timeout=0.5, json={
+                        "model": "tiny", "prompt": "Q", "max_tokens": 100, "ignore_eos": True})
+            await _until(lambda: len(fake.aborted) == 1 and not fake.in_progress, timeout=2.0)
+            assert fake.aborted == [fake.requests[-1].request_id]
+            metrics = (await httpx.AsyncClient().get(url + "/metrics")).text
+            assert 'kvrouter_requests_total{endpoint="completion",status="499"} 1.0' in metrics
+            assert "kvrouter_requests_in_flight 0.0" in metrics
         await fake.stop()
 
     _run(body)
