@@ -249,15 +249,14 @@ def main() -> None:
     if "mooncake" in args.peer:
         mooncake = Mooncake(Path(args.mooncake_python), parse_size(args.memory), out / "mooncake-logs")
     proc, address = start_daemon(args.memory)
-    raw = RawSocket(max(min(cap, s * b) for s in SIZES for b in BATCHES))
+    cases = [(s, max(1, min(b, cap // s))) for s in SIZES for b in BATCHES]
+    raw = RawSocket(max(s * b for s, b in cases))
     rows = []
     try:
         shm = Client(address)
         tcp = Client(address, transport="tcp")
         assert shm.transport == "shm", "the benchmark must run on the daemon's host"
-        cases = [(s, b) for s in SIZES for b in BATCHES]
-        for size, want in tqdm(cases, desc="store_bench", file=sys.stderr):
-            batch = max(1, min(want, cap // size))
+        for size, batch in tqdm(cases, desc="store_bench", file=sys.stderr):
             rows.append(run_case(size, batch, iters, rng, shm, tcp, raw, mooncake, args.seed))
         shm.close()
         tcp.close()

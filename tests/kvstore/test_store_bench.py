@@ -1,0 +1,36 @@
+"""benchmarks/store_bench.py as a user runs it: a tiny run, and --peer mooncake's clear failure."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks" / "store_bench.py"
+
+pytestmark = pytest.mark.integration
+
+
+def test_one_json_line_with_ratios_and_a_plot(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--iters", "1", "--memory", "256M",
+                        "--max-batch-bytes", str(4 << 20), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = r.stdout.strip().splitlines()
+    result = json.loads(line)
+    assert len(result["results"]) == 10 and (tmp_path / "store_bench.png").stat().st_size > 0
+    for row in result["results"]:
+        assert row["batch"] * row["block_bytes"] <= max(4 << 20, row["block_bytes"])
+        for key in ("memcpy_gbps", "raw_socket_gbps", "shm_get_gbps", "tcp_get_gbps"):
+            assert row[key] > 0
+    assert set(result["targets_met"]) == {"shm_get_ge_60pct_memcpy", "tcp_get_ge_60pct_raw_socket"}
+
+
+def test_peer_mooncake_without_its_environment_says_what_to_do(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--peer", "mooncake",
+                        "--mooncake-python", str(tmp_path / "missing" / "python"),
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and r.stdout == ""
+    assert "setup_mooncake.sh" in r.stderr and "--mooncake-python" in r.stderr
