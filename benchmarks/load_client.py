@@ -53,7 +53,7 @@ class ClientConfig:
     ignore_eos: bool = True
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
-    salt_per_request: bool = False  # cache_salt = the request's id: no prefix reuse between requests
+    request_salt: str | None = None  # set: cache_salt = this + the request's id (no prefix reuse)
 
     def __post_init__(self) -> None:
         require_loopback(self.base_url)
@@ -73,7 +73,7 @@ def completion_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
         "model": cfg.model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
         "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos, "stream": True,
         "stream_options": {"include_usage": True}, **cfg.extra_body,
-        **({"cache_salt": req.request_id} if cfg.salt_per_request else {}),
+        **({"cache_salt": cfg.request_salt + req.request_id} if cfg.request_salt is not None else {}),
     }
 
 

@@ -79,7 +79,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="0: unbounded (open loop)")
     parser.add_argument("--prewarm-concurrency", type=int, default=4)
     parser.add_argument("--salt-per-request", action="store_true",
-                        help="send each request's id as its cache_salt: no prefix reuse between requests")
+                        help="a cache_salt of its own for every request (a per-run nonce + its id): "
+                             "no prefix reuse between requests, nor with an earlier run of the same prompts")
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded TTFT")
@@ -112,7 +113,7 @@ def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> W
 def client_config(args: argparse.Namespace, url: str, model: str) -> ClientConfig:
     return ClientConfig(url, model, request_timeout_s=args.request_timeout, max_duration_s=args.max_duration,
                         grace_s=args.grace, max_concurrency=args.max_concurrency, progress=not args.no_progress,
-                        salt_per_request=args.salt_per_request)
+                        request_salt=os.urandom(4).hex() + "-" if args.salt_per_request else None)
 
 
 def pin_client(cpus: str | None) -> None:

@@ -1,0 +1,259 @@
+"""Issue 5's comparison: four serving configurations on one CPU budget, every workload, one run.
+
+    python -m benchmarks.compare --quick --out results/compare_quick     # ~10 min on 2 cores
+    python -m benchmarks.compare --out results/compare                    # the fuller run
+
+Configurations (``CONFIGS``), each started with ``kvrouter up`` (CPU sets and threads printed
+in the results), the same total KV memory (512 blocks of 16 tokens):
+
+- ``colo_nochunk``: one colocated worker, 2 threads on CPUs 0-1, chunked prefill off
+  (a prompt is prefilled whole, budget 2048 tokens);
+- ``colo_chunk``: the same with chunked prefill, a 256-token step budget;
+- ``disagg``: 1 prefill + 1 decode worker, 1 thread each, pinned to CPU 0 and CPU 1, 256
+  blocks each; prefix reuse off: every request carries its own ``cache_salt`` (its id), so
+  neither the store nor a device cache can give it a hit, while the prefill -> decode handoff
+  still goes through the store; no trace pre-warm;
+- ``disagg_store``: the same with the store's prefix cache (no salt).
+
+The mixed workload is salted in every configuration: its prompts are random and share
+nothing, but its quiet run repeats the very same short prompts, which a prefix cache would
+otherwise serve from the run before.
+
+The store daemon, etcd, the router and the load generator are not pinned: they share the
+two CPUs with the workers. Colocated workers are attached to the store as ``kvrouter up``
+runs them (device prefix cache + store); ``colo_chunk`` also runs the trace with per-request
+salts (``colo_chunk_nosalt`` vs ``colo_chunk_salted`` in the results) to separate the split
+from the cache.
+
+Parts (each a ``benchmarks.sweep`` run against the configuration's endpoint): ``mixed``
+(with the huge prefills and without: the same short requests at the same times),
+``trace`` (goodput vs rate), ``multi_turn`` (one rate), and on ``disagg_store`` ``long_hit``:
+a 2032-token prompt cold, then again after other prompts pushed it out of both device
+caches (a full store hit), then at once again (a device hit). Objectives are fixed per part
+from the first configuration's unloaded latency (TTFT 5x, TPOT 2x) and reused for the rest.
+Every router request is logged (``--request-log``); the log is cut per part to report store
+hits, KV bytes per request and KV transfer time against TTFT. Writes ``OUT/compare.json``
+(also printed as one line); ``benchmarks.compare_report`` draws the PNGs and the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from benchmarks.load_client import ClientConfig, fetch_model, stream_completion
+from benchmarks.metrics_calc import RequestResult
+from benchmarks.serve_bench import machine_info
+from benchmarks.sweep import Configuration, Launched
+from benchmarks.workloads import BenchRequest, TokenSpace
+
+PY = sys.executable
+CONFIGS: dict[str, dict[str, Any]] = {
+    "colo_nochunk": {"up": "--mode colocated --threads-per-worker 2 --colocated-cpus 0,1 "
+                           "--worker-arg=--num-blocks=512 --worker-arg=--no-chunked-prefill "
+                           "--worker-arg=--max-num-batched-tokens=2048", "salt": False},
+    "colo_chunk": {"up": "--mode colocated --threads-per-worker 2 --colocated-cpus 0,1 "
+                         "--worker-arg=--num-blocks=512 --worker-arg=--max-num-batched-tokens=256",
+                   "salt": False},
+    "disagg": {"up": "--mode disaggregated --prefill 1 --decode 1 --threads-per-worker 1 "
+                     "--prefill-cpus 0 --decode-cpus 1 --worker-arg=--num-blocks=256", "salt": True},
+    "disagg_store": {"up": "--mode disaggregated --prefill 1 --decode 1 --threads-per-worker 1 "
+                           "--prefill-cpus 0 --decode-cpus 1 --worker-arg=--num-blocks=256", "salt": False},
+}
+MIXED = ("--workload mixed --mixed-short-prompt 64 --mixed-short-output 32 --mixed-long-prompt 1024 "
+         "--mixed-long-output 4 --mixed-long-share 0.15")
+TRACE = "--workload trace --trace-count 60 --trace-scale 32"
+CHAT = ("--workload multi_turn --chat-users 16 --chat-turns 4 --chat-first-message 128 "
+        "--chat-message 32 --chat-reply 16 --chat-think-time-s 1")
+LONG_PROMPT, LONG_OUTPUT = 2032, 2  # 127 full blocks; prompt + output within the 2048 context
+
+
+def parts(quick: bool) -> list[tuple[str, str, str]]:
+    """(part, sweep label, sweep flags) in run order; the label keys the objectives."""
+    if quick:
+        return [("mixed", "mixed", f"{MIXED} --rates 0.5 --point-seconds 40"),
+                ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.5 --point-seconds 40"),
+                ("trace", "trace", f"{TRACE} --rates 0.4 --point-seconds 40"),
+                ("multi_turn", "multi_turn", f"{CHAT} --rates 0.5 --point-seconds 40")]
+    return [("mixed", "mixed", f"{MIXED} --rates 0.3 --point-seconds 80"),
+            ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.3 --point-seconds 80"),
+            ("trace", "trace", f"{TRACE} --rates 0.1,0.2,0.35 --point-seconds 70"),
+            ("multi_turn", "multi_turn", f"{CHAT} --rates 0.4 --point-seconds 70")]
+
+
+SALTED_TRACE_RATES = {True: "0.4", False: "0.1,0.2"}  # quick -> rates of colo_chunk's salted trace
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in open(path)) if path.exists() else 0
+
+
+def run_sweep(name: str, url: str, label: str, flags: str, salt: bool, out: Path,
+              slo: dict[str, float] | None) -> dict[str, Any]:
+    argv = [PY, "-m", "benchmarks.sweep", "--config", f"{name}={url}", "--out", str(out),
+            "--no-progress", *flags.split()]
+    if salt:
+        argv.append("--salt-per-request")
+        if "trace" in flags:
+            argv += ["--trace-prewarm", "none"]
+    if slo:
+        argv += ["--ttft-slo-ms", f"{slo['ttft_s'] * 1e3:.3f}", "--tpot-slo-ms", f"{slo['tpot_s'] * 1e3:.3f}"]
+    print(f"[compare] {name} {label}: {' '.join(argv[3:])}", file=sys.stderr, flush=True)
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return {"error": proc.stderr[-1500:]}
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec["argv"] = " ".join(["python"] + argv[1:])
+    return rec
+
+
+async def long_hit(url: str, space: TokenSpace, seed: int = 7) -> dict[str, Any]:
+    """TTFT of a 2032-token prompt: cold, then a full store hit, then a device hit."""
+    model = await fetch_model(url)
+    cfg = ClientConfig(url, model, progress=False, request_timeout_s=300)
+    rng = np.random.default_rng([seed, 5])
+    prompts = [space.random(rng, LONG_PROMPT) for _ in range(3)]
+    order = [("cold", 0), ("evict", 1), ("evict", 2), ("store_hit", 0), ("device_hit", 0)]
+    out: dict[str, Any] = {"prompt_tokens": LONG_PROMPT, "runs": []}
+    async with aiohttp.ClientSession() as session:
+        for i, (kind, which) in enumerate(order):
+            req = BenchRequest(f"long-{kind}-{i}", prompts[which], LONG_OUTPUT)
+            res = RequestResult(req.request_id, kind, LONG_PROMPT, LONG_OUTPUT)
+            await stream_completion(session, cfg, req, res, time.perf_counter())
+            out["runs"].append({"kind": kind, "ttft_s": res.ttft_s, "cached_tokens": res.cached_tokens,
+                                "error": res.error, "at_unix": time.time()})
+    ttft = {r["kind"]: r["ttft_s"] for r in out["runs"] if r["kind"] != "evict"}
+    if ttft.get("cold") and ttft.get("store_hit"):
+        out["store_hit_over_cold"] = ttft["store_hit"] / ttft["cold"]
+        out["device_hit_over_cold"] = (ttft["device_hit"] or float("nan")) / ttft["cold"]
+    return out
+
+
+def log_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Store hits, KV bytes and KV transfer time vs TTFT over router request records."""
+    ok = [r for r in records if r.get("status") == "ok" and "first_token" in r.get("timeline", {})]
+    if not ok:
+        return {"records": 0}
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    tok = [r.get("tokens", {}) for r in ok]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    stats: dict[str, Any] = {
+        "records": len(ok),
+        "store_hit_rate": sum(t.get("store_hit", 0) for t in tok) / prompt,
+        "device_hit_rate": sum(t.get("device_hit", 0) for t in tok) / prompt,
+        "router_ttft_p50_s": pct([r["timeline"]["first_token"] for r in ok], 50),
+    }
+    split = [r for r in ok if len(r.get("phases", [])) >= 2 and r["phases"][0]["phase"] == "prefill"]
+    if split:
+        moved = [r["kv_bytes"]["saved"] + r["kv_bytes"]["loaded"] for r in split]
+        loaded = [r["kv_bytes"]["loaded"] for r in split]
+        save_s = [r["phases"][0]["stats"].get("store_save_s", 0.0) for r in split]
+        load_s = [sum(p["stats"].get("store_load_s", 0.0) for p in r["phases"][1:] if p.get("stats")) for r in split]
+        ttft = [r["timeline"]["first_token"] for r in split]
+        stats.update({
+            "split_records": len(split),
+            "kv_bytes_p2d_p50": pct(loaded, 50), "kv_bytes_p2d_p95": pct(loaded, 95),
+            "kv_bytes_moved_p50": pct(moved, 50), "kv_bytes_moved_p95": pct(moved, 95),
+            "save_s_p50": pct(save_s, 50), "load_s_p50": pct(load_s, 50),
+            "transfer_share_of_ttft_p50": pct([(a + b) / t for a, b, t in zip(save_s, load_s, ttft) if t > 0], 50),
+            "transfer_share_of_ttft_p95": pct([(a + b) / t for a, b, t in zip(save_s, load_s, ttft) if t > 0], 95),
+            "handoff_gap_p50_s": pct([r["timeline"]["decode_first"] - r["timeline"]["transfer_start"]
+                                      for r in split if "decode_first" in r["timeline"]], 50),
+        })
+    return stats
+
+
+def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list[tuple[str, str, str]],
+               slos: dict[str, dict[str, float]], results: dict[str, Any], do_long: bool,
+               quick: bool = False) -> None:
+    cdir = out / name
+    cdir.mkdir(parents=True, exist_ok=True)
+    reqlog = cdir / "router_requests.jsonl"
+    command = (f"{PY} -m router.cli up --model default --port {port} --request-log {reqlog} "
+               f"--log-dir {cdir / 'logs'} --store-memory 2G {spec['up']}")
+    launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
+    res: dict[str, Any] = {"command": command.replace(PY, "python"), "salt_per_request": spec["salt"], "parts": {}}
+    results[name] = res
+    try:
+        launched.wait_ready(300)
+        url = f"http://127.0.0.1:{port}"
+        variants = [(spec["salt"], "")]
+        for part, label, flags in plan:
+            vs = [(True, "")] if part == "mixed" else variants  # mixed: no reuse from the run before
+            vs = vs + ([(True, "_salted")] if part == "trace" and name == "colo_chunk" else [])
+            for salt, suffix in vs:
+                key = label + suffix
+                if suffix:
+                    flags = " ".join(f if not prev.startswith("--rates") else SALTED_TRACE_RATES[quick]
+                                     for prev, f in zip([""] + flags.split(), flags.split()))
+                start = _lines(reqlog)
+                rec = run_sweep(name, url, key, flags, salt, cdir / key, slos.get(part))
+                recs = [json.loads(x) for x in open(reqlog).read().splitlines()[start:]] if reqlog.exists() else []
+                rec["router_log"] = log_stats(recs)
+                cfg = rec.get("configs", {}).get(name)
+                if cfg and part not in slos:
+                    slos[part] = cfg["slo"]
+                res["parts"][key] = rec
+                print(f"[compare] {name} {key}: {json.dumps(_brief(rec, name))}", file=sys.stderr, flush=True)
+        if do_long:
+            start = _lines(reqlog)
+            res["long_hit"] = asyncio.run(long_hit(url, TokenSpace()))
+            recs = [json.loads(x) for x in open(reqlog).read().splitlines()[start:]]
+            res["long_hit"]["router"] = [{"tokens": r.get("tokens"), "first_token": r["timeline"].get("first_token"),
+                                          "phases": [(p["phase"], {k: p.get("stats", {}).get(k) for k in (
+                                              "store_hit_tokens", "device_hit_tokens", "computed_prompt_tokens",
+                                              "store_load_s", "prefill_s")}) for p in r.get("phases", [])]}
+                                         for r in recs]
+            print(f"[compare] {name} long_hit: {res['long_hit'].get('store_hit_over_cold')}", file=sys.stderr)
+        res["up_log"] = [x for x in open(cdir / "up.log").read().splitlines() if "pinned" in x or "ready" in x]
+    except (RuntimeError, OSError) as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        launched.stop()
+        launched.log.close()
+
+
+def _brief(rec: dict[str, Any], name: str) -> dict[str, Any]:
+    cfg = rec.get("configs", {}).get(name)
+    if not cfg:
+        return {"error": rec.get("error", rec.get("failed"))}
+    return {"max_rate_90": cfg["max_rate_90"], "curve": [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in p.items()
+         if k in ("rate", "tpot_p99", "ttft_p50", "attainment", "goodput", "cached_fraction")} for p in cfg["curve"]]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/compare")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--parts", default="mixed,mixed_quiet,trace,multi_turn,long_hit")
+    p.add_argument("--port", type=int, default=8390)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = args.parts.split(",")
+    plan = [x for x in parts(args.quick) if x[1] in wanted]
+    results: dict[str, Any] = {}
+    slos: dict[str, dict[str, float]] = {}
+    t0 = time.time()
+    for name in args.configs.split(","):
+        run_config(name, CONFIGS[name], args.port, out, plan, slos, results,
+                   do_long="long_hit" in wanted and name == "disagg_store", quick=args.quick)
+    record = {"bench": "compare", "quick": args.quick, "machine": machine_info(), "seconds": time.time() - t0,
+              "slos": slos, "configs": results}
+    (out / "compare.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Tables and one PNG from a ``benchmarks.compare`` run directory.
+
+    python -m benchmarks.compare_report results/compare --png docs/img/serving_compare.png \\
+        --json docs/results/serving_compare.json
+
+Reads ``OUT/compare.json`` and every ``OUT/CONFIG/PART/sweep.jsonl`` and prints Markdown
+tables: the mixed workload's P99 TPOT of the short requests with and without the huge
+prefills (their ratio is the interference), the trace's goodput and latency against rate with
+the highest rate meeting both objectives for 90% of requests, store hits and TTFT on the
+multi-turn and trace workloads, KV bytes per request and KV transfer time against TTFT from
+the router's request log, and the 2k-token full-store-hit TTFT against a cold prefill. The
+small JSON (``--json``) keeps those figures without the per-request data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _points(out: Path, config: str, part: str) -> list[dict[str, Any]]:
+    path = out / config / part / "sweep.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _stat(summary: dict[str, Any] | None, metric: str, q: str) -> float | None:
+    d = (summary or {}).get(metric)
+    return None if d is None else d[q]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def collect(out: Path) -> dict[str, Any]:
+    comp = json.loads((out / "compare.json").read_text())
+    figures: dict[str, Any] = {"machine": comp["machine"], "quick": comp["quick"], "slos": comp["slos"],
+                               "seconds": comp["seconds"], "configs": {}}
+    for name, c in comp["configs"].items():
+        f: dict[str, Any] = {"command": c["command"], "salt_per_request": c["salt_per_request"],
+                             "placement": c.get("up_log", []), "error": c.get("error")}
+        mixed, quiet = _points(out, name, "mixed"), _points(out, name, "mixed_quiet")
+        if mixed and quiet:
+            m, q = mixed[0], quiet[0]
+            ms, qs = m["by_tag"].get("short", m["summary"]), q["by_tag"].get("short", q["summary"])
+            f["mixed"] = {"rate": m["rate"], "short_tpot_p99_mixed_s": _stat(ms, "tpot_s", "p99"),
+                          "short_tpot_p99_quiet_s": _stat(qs, "tpot_s", "p99"),
+                          "short_itl_p99_mixed_s": _stat(ms, "itl_s", "p99"),
+                          "short_itl_p99_quiet_s": _stat(qs, "itl_s", "p99"),
+                          "short_ttft_p50_mixed_s": _stat(ms, "ttft_s", "p50"),
+                          "long_ttft_p50_s": _stat(m["by_tag"].get("long"), "ttft_s", "p50"),
+                          "short_requests": (ms.get("issued"), qs.get("issued")),
+                          "long_requests": (m["by_tag"].get("long") or {}).get("issued", 0),
+                          "attainment_mixed": m["summary"]["attainment"]}
+            a, b = f["mixed"]["short_tpot_p99_mixed_s"], f["mixed"]["short_tpot_p99_quiet_s"]
+            f["mixed"]["interference"] = a / b if a and b else None
+        for part in ("trace", "trace_salted", "multi_turn"):
+            pts = _points(out, name, part)
+            if not pts:
+                continue
+            sweep = c["parts"].get(part, {})
+            f[part] = {"max_rate_90": (sweep.get("configs", {}).get(name) or {}).get("max_rate_90"),
+                       "router_log": sweep.get("router_log"),
+                       "curve": [{"rate": p["rate"], "issued": p["summary"]["issued"],
+                                  "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
+                                  "ttft_p50_s": _stat(p["summary"], "ttft_s", "p50"),
+                                  "ttft_p99_s": _stat(p["summary"], "ttft_s", "p99"),
+                                  "tpot_p50_s": _stat(p["summary"], "tpot_s", "p50"),
+                                  "tpot_p99_s": _stat(p["summary"], "tpot_s", "p99"),
+                                  "prewarm": p.get("prewarm", {}).get("sent")} for p in pts]}
+        if "long_hit" in c:
+            f["long_hit"] = c["long_hit"]
+        figures["configs"][name] = f
+    return figures
+
+
+def tables(fig: dict[str, Any]) -> str:
+    cs = fig["configs"]
+    lines = ["| configuration | short P99 TPOT quiet (ms) | with huge prefills (ms) | interference | "
+             "short P99 ITL quiet / mixed (ms) | long TTFT p50 (ms) | short / long requests |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n, f in cs.items():
+        m = f.get("mixed")
+        if m:
+            ratio = "-" if m["interference"] is None else f"{m['interference']:.2f}x"
+            lines.append(f"| {n} | {_ms(m['short_tpot_p99_quiet_s'])} | {_ms(m['short_tpot_p99_mixed_s'])} | {ratio} | "
+                         f"{_ms(m['short_itl_p99_quiet_s'])} / {_ms(m['short_itl_p99_mixed_s'])} | "
+                         f"{_ms(m['long_ttft_p50_s'])} | {m['short_requests'][1]} / {m['long_requests']} |")
+    lines += ["", "| configuration | workload | rate (req/s) | sent | attainment | goodput (req/s) | TTFT p50 / p99 (ms) | "
+              "TPOT p50 / p99 (ms) | max rate at 90% |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for part in ("trace", "trace_salted", "multi_turn"):
+        for n, f in cs.items():
+            t = f.get(part)
+            if not t:
+                continue
+            mr = (t["max_rate_90"] or {}).get("tested")
+            for p in t["curve"]:
+                lines.append(f"| {n} | {part} | {p['rate']:g} | {p['issued']} | {p['attainment']:.0%} | {p['goodput']:.3f} | "
+                             f"{_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} | {_ms(p['tpot_p50_s'])} / "
+                             f"{_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} |")
+    lines += ["", "| configuration | workload | store hit rate | device hit rate | router TTFT p50 (ms) | "
+              "P->D KV bytes p50 / p95 (KiB) | transfer / TTFT p50 / p95 | decode load gap p50 (ms) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for part in ("trace", "trace_salted", "multi_turn"):
+        for n, f in cs.items():
+            r = (f.get(part) or {}).get("router_log")
+            if not r or not r.get("records"):
+                continue
+            kv = (f"{r['kv_bytes_p2d_p50'] / 1024:.0f} / {r['kv_bytes_p2d_p95'] / 1024:.0f}"
+                  if r.get("split_records") else "-")
+            share = (f"{r['transfer_share_of_ttft_p50']:.1%} / {r['transfer_share_of_ttft_p95']:.1%}"
+                     if r.get("transfer_share_of_ttft_p50") is not None else "-")
+            lines.append(f"| {n} | {part} | {r['store_hit_rate']:.1%} | {r['device_hit_rate']:.1%} | "
+                         f"{_ms(r['router_ttft_p50_s'])} | {kv} | {share} | {_ms(r.get('handoff_gap_p50_s'))} |")
+    for n, f in cs.items():
+        lh = f.get("long_hit")
+        if lh:
+            lines += ["", f"2k-token prompt on {n}: " + ", ".join(
+                f"{r['kind']} {_ms(r['ttft_s'])} ms" for r in lh["runs"])
+                + (f"; store hit / cold = {lh['store_hit_over_cold']:.1%}" if "store_hit_over_cold" in lh else "")]
+    return "\n".join(lines)
+
+
+def plot(fig_data: dict[str, Any], path: Path) -> None:
+    cs = fig_data["configs"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = [n for n in cs if cs[n].get("mixed")]
+    quiet = [cs[n]["mixed"]["short_tpot_p99_quiet_s"] * 1e3 for n in names]
+    mixed = [cs[n]["mixed"]["short_tpot_p99_mixed_s"] * 1e3 for n in names]
+    xs = range(len(names))
+    axes[0].bar([x - 0.2 for x in xs], quiet, 0.4, label="short requests alone")
+    axes[0].bar([x + 0.2 for x in xs], mixed, 0.4, label="with huge prefills")
+    for x, q, m in zip(xs, quiet, mixed):
+        axes[0].text(x + 0.2, m, f"{m / q:.1f}x", ha="center", va="bottom", fontsize=8)
+    axes[0].set_xticks(list(xs), names, fontsize=8)
+    axes[0].set_ylabel("P99 TPOT of short requests (ms)")
+    axes[0].set_title("mixed workload: interference", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for i, (n, f) in enumerate(cs.items()):
+        for part, style in (("trace", "o-"), ("trace_salted", "x:")):
+            t = f.get(part)
+            if not t:
+                continue
+            rates = [p["rate"] for p in t["curve"]]
+            label = n + (" (salted)" if part == "trace_salted" else "")
+            axes[1].plot(rates, [100 * p["attainment"] for p in t["curve"]], style, color=f"C{i}", label=label)
+            axes[2].plot(rates, [(p["ttft_p50_s"] or float("nan")) * 1e3 for p in t["curve"]], style,
+                         color=f"C{i}", label=label)
+    axes[1].axhline(90, color="grey", linestyle=":")
+    axes[1].set_ylabel("trace requests meeting both objectives (%)")
+    axes[1].set_ylim(0, 102)
+    axes[2].set_ylabel("trace TTFT p50 (ms)")
+    axes[2].set_yscale("log")
+    for ax in axes[1:]:
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    m = fig_data["machine"]
+    fig.suptitle(f"SmolLM2-135M fp32, {m['cpu_count']} CPUs ({m['processor']}), trace at 1/32 scale", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--png", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    figures = collect(Path(args.out))
+    print(tables(figures))
+    if args.png:
+        plot(figures, Path(args.png))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
