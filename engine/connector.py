@@ -112,7 +112,37 @@ class _SaveJob:
     keys: list[BlockKey]
     staged: torch.Tensor | None         # [n, *block_shape] CPU copy; None for a flush marker
     done: Future | None = None          # set on flush markers
+    buffer: torch.Tensor | None = None  # the pooled staging buffer ``staged`` is a view of
     enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class _StagingPool:
+    """Reusable host staging buffers ``[capacity, *block_shape]``, capacities powers of two.
+
+    Fresh large allocations are page-faulted on first touch on the engine thread; reusing
+    warm buffers keeps the synchronous part of a save to one strided copy. Thread-safe.
+    """
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                 keep_per_size: int = 4) -> None:
+        self.block_shape, self.dtype, self.pin = block_shape, dtype, pin
+        self.keep_per_size = keep_per_size
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> torch.Tensor:
+        cap = 1 << max(0, n - 1).bit_length()
+        with self._lock:
+            free = self._free.get(cap)
+            if free:
+                return free.pop()
+        return torch.empty((cap, *self.block_shape), dtype=self.dtype, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buf.shape[0], [])
+            if len(free) < self.keep_per_size:
+                free.append(buf)
 
 
 _NOTHING = _SaveJob(None, [], None, done=Future())  # "no job pending" inside the saver loop
@@ -159,6 +189,7 @@ class KVStoreConnector:
         self._stats_lock = threading.Lock()
         self._per_request: dict[str | None, SaveResult] = {}
         self._queue: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
+        self._pool = _StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
         self._saver: threading.Thread | None = None
         self._closed = False
 
@@ -289,10 +320,16 @@ class KVStoreConnector:
         if self._closed:
             raise RuntimeError("KVStoreConnector is closed")
         self._ensure_saver()
-        staged = torch.empty((len(keys), *self.block_shape), dtype=self.dtype)
-        for i, b in enumerate(block_ids):
-            staged[i].copy_(self.kv_cache[:, :, b])
-        self._queue.put(_SaveJob(request_id, list(keys), staged))
+        n = len(keys)
+        buf = self._pool.take(n)
+        staged = buf[:n]
+        if self.kv_cache.is_cuda:  # gather on the device, then one copy to the host
+            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
+            staged.copy_(self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5))
+        else:  # strided per-block copies straight into the staging rows (no temporary)
+            for i, b in enumerate(block_ids):
+                staged[i].copy_(self.kv_cache[:, :, b])
+        self._queue.put(_SaveJob(request_id, list(keys), staged, buffer=buf))
 
     def flush(self, request_id: str | None = None) -> Future:
         """A future resolving to ``request_id``'s ``SaveResult`` once its queued saves are done.
@@ -352,6 +389,10 @@ class KVStoreConnector:
                     break
             if batch:
                 self._put_batch(batch, out)
+                for done in batch:
+                    if done.buffer is not None:
+                        self._pool.give(done.buffer)
+                    done.staged = done.buffer = None
             if job is None:
                 stop = True
             elif job is not _NOTHING:

@@ -184,3 +184,51 @@ def test_bad_cache_shape_is_rejected():
         KVStoreConnector(DictStore(), torch.zeros(2, 2, 4))
     with pytest.raises(ValueError, match="no block codec"):
         KVStoreConnector(DictStore(), torch.zeros((1, 2, 1, 1, 1, 1), dtype=torch.int64))
+
+
+def test_engine_protocol_maps_a_sequence_onto_the_store():
+    from engine.api_types import SamplingParams
+    from engine.connector_api import EngineConnector
+    from engine.sequence import Sequence
+
+    store = DictStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    seq = Sequence("r", list(range(3 * BS + 2)), SamplingParams(max_tokens=4),
+                   namespace=namespace_id({"test": "protocol"}), block_size=BS)
+    saver = KVStoreConnector(store, src)
+    assert isinstance(saver, EngineConnector)
+    saver.save(seq, [4, 5, 6], seq.block_keys[:3])
+    assert saver.flush("r").result(timeout=10).saved_blocks == 3
+
+    loader = KVStoreConnector(store, dst, save_all=False)  # a decode worker's default
+    assert loader.get_num_external_hits(seq, 0) == 3 * BS
+    assert loader.get_num_external_hits(seq, BS) == 2 * BS  # after one device-hit block
+    seq.num_computed_tokens = BS
+    assert loader.load(seq, [9, 10]) == 2
+    assert torch.equal(dst[:, :, 9], src[:, :, 5]) and torch.equal(dst[:, :, 10], src[:, :, 6])
+    result = loader.take_load_result("r")
+    assert result.loaded == 2 and result.bytes == 2 * L * 2 * BS * H * D * 4
+    assert loader.take_load_result("r").loaded == 0  # handed over once
+
+    del store.data[bytes(seq.block_keys[1])]
+    loader.save(seq, [9], seq.block_keys[1:2])  # not saved: save_all is off ...
+    assert loader.flush("r").result(timeout=10).saved_blocks == 0
+    loader.require_save("r")  # ... unless the request is a prefill handoff
+    loader.save(seq, [9], seq.block_keys[1:2])
+    assert loader.flush("r").result(timeout=10).saved_blocks == 1
+    assert bytes(seq.block_keys[1]) in store.data
+    loader.close()
+
+    assert KVStoreConnector(store, dst, load_enabled=False).get_num_external_hits(seq, 0) == 0
+
+
+def test_present_blocks_are_acknowledged_without_shipping_bytes(keys):
+    store = DictStore()
+    conn = KVStoreConnector(store, make_cache())
+    conn.save_blocks(keys[:2], [0, 1], request_id="a")
+    first = conn.flush("a").result(timeout=10)
+    conn.save_blocks(keys[:3], [0, 1, 2], request_id="b")  # two already stored
+    second = conn.flush("b").result(timeout=10)
+    assert first.saved_blocks == 2 and second.saved_blocks == 3
+    assert second.bytes == first.bytes // 2  # only the new block travelled
+    conn.close()

@@ -80,6 +80,8 @@ def test_rate_meter_is_an_ewma_that_ignores_empty_samples():
 
 # --- one colocated worker process -------------------------------------------------------------
 
+integration = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama_dir, tmp_path_factory):
@@ -99,6 +101,7 @@ def _prompt(n: int, start: int = 3) -> list[int]:
     return [(start + 7 * i) % 509 + 3 for i in range(n)]
 
 
+@integration
 def test_info_health_and_metrics(http, worker):
     info = http.get("/info").json()
     assert info["role"] == "colocated" and info["address"] == worker.address
@@ -110,6 +113,7 @@ def test_info_health_and_metrics(http, worker):
         assert name in text
 
 
+@integration
 def test_generate_streams_and_reports_stats(worker):
     tokens, final = generate(worker.address, greedy("g1", _prompt(21), 12))
     assert len(tokens) == 12 and final["finish_reason"] == "length"
@@ -120,6 +124,7 @@ def test_generate_streams_and_reports_stats(worker):
     assert final2["stats"]["computed_prompt_tokens"] == 21 - BS
 
 
+@integration
 @pytest.mark.parametrize("body, field_or_text", [
     ({"request_id": "b", "prompt_token_ids": [1, 99999], "sampling": {"max_tokens": 4}},
      "outside the vocabulary"),
@@ -137,6 +142,7 @@ def test_bad_input_is_a_400_naming_the_problem(http, body, field_or_text):
     assert field_or_text in r.json()["error"]
 
 
+@integration
 def test_bad_input_does_not_disturb_a_running_request(worker, http):
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(
@@ -153,6 +159,7 @@ def test_bad_input_does_not_disturb_a_running_request(worker, http):
     assert tokens == alone
 
 
+@integration
 def test_abort_ends_the_stream_and_frees_blocks(worker, http):
     lines: list[dict] = []
     with httpx.stream("POST", f"{worker.address}/generate",
@@ -173,6 +180,7 @@ def test_abort_ends_the_stream_and_frees_blocks(worker, http):
     assert http.post("/abort", json={}).status_code == 400
 
 
+@integration
 def test_client_disconnect_aborts_the_request(worker, http):
     before = metric(worker.address, 'kvengine_requests_finished_total{finish_reason="abort"}')
     with httpx.stream("POST", f"{worker.address}/generate",
@@ -187,6 +195,7 @@ def test_client_disconnect_aborts_the_request(worker, http):
     wait_until(lambda: http.get("/snapshot").json()["load"]["running"] == 0, what="nothing running")
 
 
+@integration
 def test_events_show_stored_blocks_and_snapshot_resyncs(worker, http):
     snap = Snapshot.from_json(http.get("/snapshot").json())
     prompt = _prompt(2 * BS + 3, 17)

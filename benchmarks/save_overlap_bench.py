@@ -1,0 +1,138 @@
+"""Prefill time with the kvstore connector saving every full block vs. no connector.
+
+The target (issue 3): saving overlaps compute, so prefill with saving on stays within 10% of
+saving off. One seeded workload, run alternately in both modes (medians of ``--reps``) on one
+ModelRunner, against a real ``kvstore serve`` daemon on this host (shared memory path).
+Fresh prompts every run, so nothing hits a cache. Prints one JSON line:
+
+- ``off_s`` / ``on_s``: median wall time from submission to the last first token;
+- ``on_acked_s``: ... until the store also acknowledged every full block (the prefill
+  handoff point);
+- ``overhead`` = on_s / off_s - 1, ``acked_overhead`` = on_acked_s / off_s - 1 (medians);
+- ``min_overhead`` / ``min_acked_overhead``: the same over each mode's fastest run, the
+  figure to read on a shared machine, where other load only ever adds time.
+
+    .venv/bin/python benchmarks/save_overlap_bench.py --model default --prompt-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0",
+                             "--memory", memory], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.search(r"kvstore ready address=(\S+)", line or "")
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise SystemExit("kvstore serve did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=128, help="max_num_batched_tokens")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+
+    import kvstore
+    from engine.api_types import SamplingParams
+    from engine.connector import KVStoreConnector
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.worker_config import resolve_model_dir
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model)
+    bs = 16
+    blocks = args.prompts * (-(-(args.prompt_len + 1) // bs)) + 8
+    cfg = EngineConfig(num_blocks=blocks, block_size=bs, max_num_batched_tokens=args.chunk)
+    runner = ModelRunner(model_dir, num_blocks=blocks, block_size=bs)
+    block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+    memory = f"{max(64, 2 * args.reps * args.prompts * blocks * block_bytes >> 20)}M"
+    store, address = _start_store(memory)
+    rng = random.Random(args.seed)
+    vocab = runner.config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        conn = KVStoreConnector(kvstore.connect(address), runner.kv_cache,
+                                save_client=kvstore.connect(address), save_all=True)
+        engines = {"off": LLMEngine(runner, cfg), "on": LLMEngine(runner, cfg, connector=conn)}
+
+        def run(mode: str, rep: int) -> tuple[float, float]:
+            engine = engines[mode]
+            prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+                       for _ in range(args.prompts)]
+            ids = [f"{mode}-{rep}-{i}" for i in range(args.prompts)]
+            t0 = time.perf_counter()
+            for rid, p in zip(ids, prompts):
+                engine.add_request(rid, p, params)
+            while engine.has_unfinished():
+                engine.step()
+            computed = time.perf_counter() - t0
+            if mode == "on":
+                for rid in ids:
+                    conn.flush(rid).result(timeout=120)
+            return computed, time.perf_counter() - t0
+
+        run("off", -1)  # warm-up (allocations, kernels)
+        run("on", -1)
+        times: dict[str, list[float]] = {"off": [], "on": [], "on_acked": []}
+        for rep in range(args.reps):
+            for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                computed, acked = run(mode, rep)
+                times[mode].append(computed)
+                if mode == "on":
+                    times["on_acked"].append(acked)
+        stats = conn.stats_snapshot()
+        conn.close()
+    finally:
+        store.terminate()
+        store.wait(10)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    print(json.dumps({
+        "bench": "save_overlap", "model": model_dir.name, "prompt_len": args.prompt_len,
+        "prompts": args.prompts, "chunk": args.chunk, "reps": args.reps, "threads": args.threads,
+        "off_s": round(med["off"], 4), "on_s": round(med["on"], 4),
+        "on_acked_s": round(med["on_acked"], 4),
+        "overhead": round(med["on"] / med["off"] - 1, 4),
+        "acked_overhead": round(med["on_acked"] / med["off"] - 1, 4),
+        "min_off_s": round(best["off"], 4), "min_on_acked_s": round(best["on_acked"], 4),
+        "min_overhead": round(best["on"] / best["off"] - 1, 4),
+        "min_acked_overhead": round(best["on_acked"] / best["off"] - 1, 4),
+        "saved_blocks": stats.saved_blocks, "saved_mib": round(stats.saved_bytes / 2**20, 1),
+        "save_busy_s": round(stats.save_s, 3),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
+    }))
+
+
+if __name__ == "__main__":
+    main()
