@@ -223,6 +223,31 @@ class ChoiceRun:
         books = worker.load.assign(
             prefill_tokens=self.plan.uncached_tokens if phase == "full" and not self.sent else 0,
             blocks=blocks_needed(tokens, remaining, worker.info.block_size))
+        async with aclosing(self._phase(worker, phase, books)) as items:
+            async for item in items:
+                if isinstance(item, GenerateFinal):
+                    self.finish_reason = item.finish_reason
+                    self.record.mark("decode_end")
+                elif item.token_ids:
+                    yield item
+
+    async def _run_phase(self, worker: WorkerHandle, phase: str, uncached: int,
+                         out: list[GenerateChunk]) -> GenerateFinal:
+        """Run a phase to its end, collecting its chunks (the prefill handoff)."""
+        books = worker.load.assign(prefill_tokens=uncached,
+                                   blocks=blocks_needed(len(self.prompt_token_ids), 1,
+                                                        worker.info.block_size))
+        async with aclosing(self._phase(worker, phase, books)) as items:
+            async for item in items:
+                if isinstance(item, GenerateFinal):
+                    return item
+                out.append(item)
+        raise AssertionError("_phase ends with its final line or raises")
+
+    async def _phase(self, worker: WorkerHandle, phase: str, books: Assignment
+                     ) -> AsyncIterator[GenerateChunk | GenerateFinal]:
+        """One phase on ``worker``: its chunks (the first ends the prefill in the books), then
+        its final line, recorded (``_finish_phase``); ``books`` released however it ends."""
         request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
                                   list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
         self._route(worker, phase)
@@ -232,33 +257,11 @@ class ChoiceRun:
                 async for item in items:
                     if isinstance(item, GenerateFinal):
                         self._finish_phase(worker, phase, item, books, produced)
-                        self.finish_reason = item.finish_reason
-                        self.record.mark("decode_end")
+                        yield item
                         return
                     books.prefill_done()
-                    if item.token_ids:
-                        produced += len(item.token_ids)
-                        yield item
-        finally:
-            books.release()
-
-    async def _run_phase(self, worker: WorkerHandle, phase: str, uncached: int,
-                         out: list[GenerateChunk]) -> GenerateFinal:
-        """Run a phase to its end, collecting its chunks (the prefill handoff)."""
-        books = worker.load.assign(prefill_tokens=uncached,
-                                   blocks=blocks_needed(len(self.prompt_token_ids), 1,
-                                                        worker.info.block_size))
-        request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                  list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
-        self._route(worker, phase)
-        try:
-            async with aclosing(self._generate(worker, request)) as items:
-                async for item in items:
-                    if isinstance(item, GenerateFinal):
-                        self._finish_phase(worker, phase, item, books,
-                                           sum(len(c.token_ids) for c in out))
-                        return item
-                    out.append(item)
+                    produced += len(item.token_ids)
+                    yield item
         finally:
             books.release()
         raise WorkerUnavailable(worker.worker_id, "stream ended without a final line")
