@@ -79,6 +79,8 @@ def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
             await asyncio.wrap_future(accepted)
         except ValueError as exc:
             return _error(400, str(exc))
+        except RuntimeError as exc:  # the engine thread died meanwhile
+            return _error(503, str(exc))
 
         async def stream() -> AsyncIterator[bytes]:
             finished = False

@@ -183,6 +183,14 @@ class EngineWorker:
             log.exception("engine thread died")
             for rid, stream in list(self._streams.items()):
                 self._close(rid, stream, GenerateFinal("abort"))
+            self._streams.clear()
+            while True:  # requests queued behind the failure: refuse them, never leave them hanging
+                try:
+                    kind, _, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add" and fut is not None:
+                    fut.set_exception(RuntimeError(f"the engine thread has stopped: {exc!r}"))
 
     def _handle_inbox(self, block: bool) -> None:
         timeout = self.load_interval_s if block else None
