@@ -276,12 +276,21 @@ def tune_socket(sock: socket.socket, timeout: float | None) -> None:
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``; raise ``ConnectionError`` on EOF (a truncated frame)."""
-    pos, n = 0, view.nbytes
-    while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
-        if got == 0:
-            raise ConnectionError(f"peer closed the connection {n - pos} bytes short of a frame")
-        pos += got
+    recv_buffers(sock, [view])
+
+
+def _advance(bufs: list[memoryview], i: int, n: int) -> int:
+    """Account ``n`` bytes moved starting at ``bufs[i]``: drop the buffers they complete,
+    trim the one they end in (in place); return the index of the first unfinished buffer."""
+    while n:
+        b = bufs[i]
+        if n >= b.nbytes:
+            n -= b.nbytes
+            i += 1
+        else:
+            bufs[i] = b[n:]
+            n = 0
+    return i
 
 
 def recv_buffers(sock: socket.socket, views: list) -> int:
@@ -299,14 +308,7 @@ def recv_buffers(sock: socket.socket, views: list) -> int:
         if got == 0:
             left = sum(v.nbytes for v in bufs[i:])
             raise ConnectionError(f"peer closed the connection {left} bytes short of a frame")
-        while got:
-            b = bufs[i]
-            if got >= b.nbytes:
-                got -= b.nbytes
-                i += 1
-            else:
-                bufs[i] = b[got:]
-                got = 0
+        i = _advance(bufs, i, got)
     return total
 
 
@@ -323,15 +325,7 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
     bufs = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
     i = 0
     while i < len(bufs):
-        batch = bufs[i: i + _IOV_MAX]
-        sent = sock.sendmsg(batch)
-        for b in batch:
-            if sent >= b.nbytes:
-                sent -= b.nbytes
-                i += 1
-            else:
-                bufs[i] = b[sent:]
-                break
+        i = _advance(bufs, i, sock.sendmsg(bufs[i: i + _IOV_MAX]))
 
 
 def local_host_id() -> str:

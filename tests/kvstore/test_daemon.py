@@ -7,7 +7,6 @@ import socket
 import uuid
 
 import httpx
-import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
