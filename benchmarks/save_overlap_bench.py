@@ -9,8 +9,11 @@ Fresh prompts every run, so nothing hits a cache. Prints one JSON line:
 - ``on_acked_s``: ... until the store also acknowledged every full block (the prefill
   handoff point);
 - ``overhead`` = on_s / off_s - 1, ``acked_overhead`` = on_acked_s / off_s - 1 (medians);
-- ``min_overhead`` / ``min_acked_overhead``: the same over each mode's fastest run, the
-  figure to read on a shared machine, where other load only ever adds time.
+- ``min_overhead`` / ``min_acked_overhead``: the same over each mode's fastest run;
+- ``engine_cpu_overhead``: CPU time of the engine thread (what saving adds to the critical
+  path: the staging copy), and ``process_cpu_overhead``: CPU time of the whole process (the
+  saver thread included). On a shared machine, where other load swings wall times by more
+  than the effect, these are the figures to read.
 
     .venv/bin/python benchmarks/save_overlap_bench.py --model default --prompt-len 512
 """
@@ -86,20 +89,26 @@ def main() -> None:
                                 save_client=kvstore.connect(address), save_all=True)
         engines = {"off": LLMEngine(runner, cfg), "on": LLMEngine(runner, cfg, connector=conn)}
 
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
+
         def run(mode: str, rep: int) -> tuple[float, float]:
             engine = engines[mode]
             prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                        for _ in range(args.prompts)]
             ids = [f"{mode}-{rep}-{i}" for i in range(args.prompts)]
-            t0 = time.perf_counter()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             for rid, p in zip(ids, prompts):
                 engine.add_request(rid, p, params)
             while engine.has_unfinished():
                 engine.step()
             computed = time.perf_counter() - t0
+            engine_cpu = time.thread_time() - c0
             if mode == "on":
                 for rid in ids:
                     conn.flush(rid).result(timeout=120)
+            if rep >= 0:
+                cpu[mode].append(engine_cpu)
+                cpu.setdefault(mode + "_process", []).append(time.process_time() - p0)
             return computed, time.perf_counter() - t0
 
         run("off", -1)  # warm-up (allocations, kernels)
@@ -128,6 +137,9 @@ def main() -> None:
         "min_off_s": round(best["off"], 4), "min_on_acked_s": round(best["on_acked"], 4),
         "min_overhead": round(best["on"] / best["off"] - 1, 4),
         "min_acked_overhead": round(best["on_acked"] / best["off"] - 1, 4),
+        "engine_cpu_overhead": round(statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1, 4),
+        "process_cpu_overhead": round(statistics.median(cpu["on_process"])
+                                      / statistics.median(cpu["off_process"]) - 1, 4),
         "saved_blocks": stats.saved_blocks, "saved_mib": round(stats.saved_bytes / 2**20, 1),
         "save_busy_s": round(stats.save_s, 3),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -113,7 +113,6 @@ class _SaveJob:
     staged: torch.Tensor | None         # [n, *block_shape] CPU copy; None for a flush marker
     done: Future | None = None          # set on flush markers
     buffer: torch.Tensor | None = None  # the pooled staging buffer ``staged`` is a view of
-    enqueued_at: float = field(default_factory=time.perf_counter)
 
 
 class _StagingPool:
@@ -205,14 +204,12 @@ class KVStoreConnector:
     def load(self, seq: "_Seq", block_ids: Sequence[int]) -> int:
         """Load ``seq``'s blocks from index ``num_computed_tokens // block_size`` on."""
         start = seq.num_computed_tokens // self.block_size
-        result = self.load_blocks(seq.block_keys[start : start + len(block_ids)], block_ids)
+        this = self.load_blocks(seq.block_keys[start : start + len(block_ids)], block_ids)
         prev = self._loads.get(seq.request_id)
-        if prev is not None:  # loaded again after a preemption: sum
-            result = LoadResult(prev.loaded + result.loaded, prev.requested + result.requested,
-                                prev.missing + result.missing, prev.corrupt + result.corrupt,
-                                prev.bytes + result.bytes, prev.seconds + result.seconds)
-        self._loads[seq.request_id] = result
-        return result.loaded - (prev.loaded if prev is not None else 0)
+        # Loaded again after a preemption: the request's tally sums both.
+        self._loads[seq.request_id] = (this if prev is None else LoadResult(
+            *(a + b for a, b in zip(astuple(prev), astuple(this)))))
+        return this.loaded
 
     def save(self, seq: "_Seq", block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
         if self.save_all or seq.request_id in self._must_save:
