@@ -17,6 +17,7 @@ knows ``max_model_len``; ``max_tokens=None`` there means "up to the context leng
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -143,8 +144,12 @@ class RequestOptions:
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The worker's sampling params for choice ``choice`` of ``n``: each choice gets its
-        own seed (``seed + choice``) so ``n > 1`` samples differ yet stay reproducible."""
-        seed = None if self.seed is None else self.seed + choice
+        own seed (``seed + choice``) so ``n > 1`` samples differ yet stay reproducible.
+
+        A request without a seed gets a random one here, at the router, so that every worker
+        a choice touches (prefill, decode, a resume after a failure) samples from the same
+        ``(seed, position)`` stream and a continued request samples what it would have."""
+        seed = secrets.randbits(63) if self.seed is None else self.seed + choice
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=seed, stop_token_ids=self.stop_token_ids,

@@ -40,6 +40,14 @@ def test_completion_request_parses_every_supported_field() -> None:
     assert batch.prompts == ("a", (5, 6)) and batch.options.max_tokens == 16
 
 
+def test_unseeded_choices_get_a_seed_at_the_router() -> None:
+    # Every worker a choice touches (prefill, decode, a resume) must sample from one
+    # (seed, position) stream, so the router fixes the seed when the client gave none.
+    o = CompletionRequest.parse({"model": "m", "prompt": "x", "temperature": 0.8}).options
+    a, b = o.sampling(max_tokens=4, choice=0), o.sampling(max_tokens=4, choice=1)
+    assert a.seed is not None and b.seed is not None and a.seed != b.seed
+
+
 def test_chat_request_normalizes_messages() -> None:
     req = ChatRequest.parse({
         "model": "m", "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3,
