@@ -74,3 +74,18 @@ def test_keys_identical_across_processes_with_different_hash_seeds():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                 capture_output=True, text=True).stdout)
     assert len(outs) == 1 and outs.pop().count(",") == 3
+
+
+def test_list_tuple_and_array_fast_paths_agree_with_numpy():
+    ns = namespace_id({"m": 1})
+    tokens = np.random.default_rng(0).integers(0, 2**32, 16 * 40 + 7, dtype=np.uint64)
+    want = block_keys(ns, tokens.astype(np.uint32), 16)
+    assert len(want) == 40 and all(type(k) is BlockKey for k in want)
+    for form in (tokens, tokens.tolist(), tuple(tokens.tolist()), [np.int64(t) for t in tokens]):
+        assert block_keys(ns, form, 16) == want
+
+
+@pytest.mark.parametrize("bad", [[True, False], [1.5, 2], [2**32, 1], [1, -1], [[1, 2]], ["a", "b"]])
+def test_the_list_fast_path_refuses_what_numpy_refuses(bad):
+    with pytest.raises(ValueError):
+        block_keys(namespace_id({"m": 1}), bad, 1)
