@@ -32,7 +32,8 @@ log = logging.getLogger("kvstore")
 class Daemon:
     """One store node: BlockStore + StoreServer + metrics + etcd registration.
 
-    ``start()`` brings them up in that order and returns once the node accepts connections;
+    ``start()`` first removes the stale arenas of dead daemons (``arena.remove_stale_arenas``),
+    then brings them up in that order and returns once the node accepts connections;
     ``stop()`` takes them down (see the module docstring). No signal handlers here: the
     caller owns the process.
     """
@@ -47,12 +48,14 @@ class Daemon:
         self.node_id: str | None = None
 
     def start(self) -> "Daemon":
+        from .arena import remove_stale_arenas
         from .metrics import StoreMetrics
         from .server import StoreServer, load_node_id
         from .store import BlockStore, StoreConfig
 
         c = self.config
         self.node_id = load_node_id(c.ssd_path)
+        remove_stale_arenas()  # of daemons that died without unlinking theirs (arena.py)
         self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
                                             ssd_capacity_bytes=c.ssd_capacity_bytes,
                                             gpu_memory_bytes=c.gpu_memory_bytes))

@@ -5,15 +5,23 @@
   stopped at the end of the test.
 - ``daemon``: one plain daemon for a test. ``shared_daemon``: one per module, for tests that
   only need a live node and clean up their own keys.
+
+No daemon outlives the test run: teardown stops every daemon even when the test failed; a
+daemon started from the main thread gets SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so
+an aborted run leaves no orphan (its arena goes at the next ``kvstore serve``'s start); and a
+daemon a test killed with SIGKILL has its arena unlinked here, so a run leaves ``/dev/shm``
+as it found it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +30,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SHM_DIR = Path("/dev/shm")
+_PR_SET_PDEATHSIG = 1
 _READY = re.compile(r"kvstore ready address=(\S+) node_id=(\S+) arena=(\S+) memory=\S+ metrics=(\S+)")
+
+
+def _die_with_pytest(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGKILL when the thread that started it dies (Linux).
+
+    The kernel ties PR_SET_PDEATHSIG to the forking *thread*, so the factory only uses it from
+    the main thread, which lives as long as pytest.
+    """
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # pytest died before prctl took effect
+            os._exit(1)
+    return preexec
 
 
 @dataclass
@@ -64,13 +87,24 @@ class DaemonProc:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.stderr}")
+        finally:
+            self._remove_killed_arena()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._remove_killed_arena()
         for f in self._logs:
             f.close()
+
+    def _remove_killed_arena(self) -> None:
+        """A daemon SIGKILLed cannot unlink its arena; do it for it. (After any other exit a
+        leftover arena is the daemon's bug, and tests that check for it still see it.)"""
+        if self.proc.returncode != -signal.SIGKILL:
+            return
+        for path in SHM_DIR.glob(f"kvstore-{self.proc.pid}-*"):  # also before its ready line
+            path.unlink(missing_ok=True)
 
 
 class DaemonFactory:
@@ -88,27 +122,34 @@ class DaemonFactory:
         full_env.update(env or {})
         out = open(log_dir / "stdout.log", "wb")
         err = open(log_dir / "stderr.log", "wb")
-        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, env=full_env)
+        main = threading.current_thread() is threading.main_thread()
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, env=full_env,
+                                preexec_fn=_die_with_pytest(os.getpid()) if main else None)
         d = DaemonProc(proc, args, log_dir, _logs=[out, err])
         self.started.append(d)
         return d.wait_ready(timeout)
 
     def close(self) -> None:
+        """SIGTERM every daemon still running, then SIGKILL any that did not exit in 10 s."""
         for d in self.started:
             if d.proc.poll() is None:
                 d.proc.terminate()
-                try:
-                    d.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
+        deadline = time.monotonic() + 10
+        for d in self.started:
+            try:
+                d.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
             d.kill()
 
 
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProc]]:
     factory = DaemonFactory(tmp_path / "daemons")
-    yield factory
-    factory.close()
+    try:
+        yield factory
+    finally:
+        factory.close()
 
 
 @pytest.fixture
@@ -119,5 +160,7 @@ def daemon(start_daemon) -> DaemonProc:
 @pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory) -> Iterator[DaemonProc]:
     factory = DaemonFactory(tmp_path_factory.mktemp("shared"))
-    yield factory(memory="64M")
-    factory.close()
+    try:
+        yield factory(memory="64M")
+    finally:
+        factory.close()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 
 import pytest
 
 from kvstore.allocator import Allocator
-from kvstore.arena import SHM_DIR, Arena
+from kvstore.arena import SHM_DIR, Arena, _owner_alive, remove_stale_arenas
 
 KIB = 1024
 BLOCK_360 = 360 * KIB + 64  # one 16-token SmolLM2 block in bf16, with the codec header
@@ -49,6 +51,61 @@ def test_names_are_validated_and_taken_names_refused():
             Arena.create(4096, name=a.name)
     with pytest.raises(FileNotFoundError):
         Arena.attach("kvstore-no-such-arena")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_arenas_of_dead_owners_are_removed_and_nothing_else(tmp_path):
+    dead = _dead_pid()
+    names = {
+        "stale": f"kvstore-{dead}-0123abcd",
+        "mine_unlocked": f"kvstore-{os.getpid()}-0123abcd",  # as between create and flock
+        "dead_but_locked": f"kvstore-{dead}-89abcdef",  # e.g. a forked child holds it
+        "other_scheme": f"kvstore-{dead}-xyz",
+        "other_name": f"mooncake-{dead}-0123abcd",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    fd = os.open(tmp_path / names["dead_but_locked"], os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert remove_stale_arenas(str(tmp_path)) == [names["stale"]]
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k != "stale")
+    assert remove_stale_arenas(str(tmp_path)) == [names["dead_but_locked"]]  # lock released
+
+
+def test_a_reused_pid_does_not_keep_an_arena_alive():
+    assert _owner_alive(os.getpid(), created=time.time())
+    assert not _owner_alive(os.getpid(), created=0.0)  # this process started after 1970
+    assert not _owner_alive(_dead_pid(), created=0.0)
+
+
+def test_a_live_owner_holds_its_arena_locked_until_close():
+    with Arena.create(4096) as a:
+        assert a.name not in remove_stale_arenas()
+        fd = os.open(os.path.join(SHM_DIR, a.name), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert not os.path.exists(os.path.join(SHM_DIR, a.name))
+
+
+def test_a_killed_owner_leaves_an_arena_that_the_sweep_removes():
+    code = ("import os, signal, sys; from kvstore.arena import Arena\n"
+            "a = Arena.create(1 << 16); print(a.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    name = r.stdout.strip()
+    assert r.returncode == -9 and os.path.exists(os.path.join(SHM_DIR, name))
+    assert name in remove_stale_arenas()
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
 
 
 def test_close_survives_a_held_slice():

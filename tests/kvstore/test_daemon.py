@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
 from kvstore import protocol as P
+from kvstore.arena import SHM_DIR
 from kvstore.etcd import EtcdClient
 from kvstore.keys import BlockKey
 
@@ -90,6 +91,24 @@ def scrape(addr: str) -> dict[tuple[str, tuple], float]:
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def test_a_new_daemon_removes_the_arena_a_killed_one_left_and_no_live_one(start_daemon):
+    live = start_daemon()
+    victim = start_daemon()
+    victim_path = os.path.join(SHM_DIR, victim.arena)
+    victim.proc.send_signal(signal.SIGKILL)  # by hand: the fixture would clean up after itself
+    victim.proc.wait()
+    assert os.path.exists(victim_path)  # SIGKILL leaves it: nothing in the daemon runs
+    with Client(live.address) as c:
+        c.put(rand_keys(1), [b"x" * 4096])
+    fresh = start_daemon()
+    assert not os.path.exists(victim_path)
+    assert os.path.exists(os.path.join(SHM_DIR, live.arena))
+    assert os.path.exists(os.path.join(SHM_DIR, fresh.arena))
+    with Client(live.address) as c:
+        assert c.stats()["store"]["host"]["blocks"] == 1  # its arena untouched, still served
+    assert live.stop() == 0 and not os.path.exists(os.path.join(SHM_DIR, live.arena))
 
 
 def test_metrics_move_by_the_right_amounts(start_daemon):

@@ -1,0 +1,47 @@
+"""The daemon fixtures themselves: no daemon survives the pytest process that started it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.kvstore.conftest import REPO, SHM_DIR
+
+pytestmark = pytest.mark.integration
+
+START_AND_HANG = """
+import sys, time
+from pathlib import Path
+from tests.kvstore.conftest import DaemonFactory
+d = DaemonFactory(Path(sys.argv[1]))()
+print(d.proc.pid, d.arena, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_daemon_dies_with_the_pytest_that_started_it(tmp_path):
+    runner = subprocess.Popen([sys.executable, "-c", START_AND_HANG, str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid, arena = runner.stdout.readline().split()
+        runner.send_signal(signal.SIGKILL)  # no teardown runs: only PR_SET_PDEATHSIG is left
+        runner.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+            assert time.monotonic() < deadline, f"daemon {pid} outlived its parent"
+            time.sleep(0.05)
+    finally:
+        runner.kill()
+        runner.wait()
+    (SHM_DIR / arena).unlink(missing_ok=True)  # SIGKILLed: its arena is ours to remove
+
+
+def _zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
