@@ -131,12 +131,15 @@ def _token_ids(obj: Mapping[str, Any], key: str, default: Any = ..., where: str 
     return value
 
 
-def _keys(obj: Mapping[str, Any], key: str, where: str = "") -> list[BlockKey]:
+def _keys(obj: Mapping[str, Any], key: str, where: str = "", *,
+          optional: bool = False) -> list[BlockKey] | None:
     value = obj.get(key)
+    if value is None and optional:
+        return None
     if not isinstance(value, list):
         raise ApiValidationError(where + key, "expected a list of hex block keys")
     try:
-        return [BlockKey(bytes.fromhex(k)) for k in value]
+        return [BlockKey.from_hex(k) for k in value]
     except (TypeError, ValueError) as exc:
         raise ApiValidationError(where + key, f"bad block key: {exc}") from None
 
@@ -202,7 +205,13 @@ class SamplingParams:
 class GenerateRequest:
     """``POST /generate``. ``output_token_ids`` are tokens already produced elsewhere (a
     prefill→decode handoff or a resume after a failure); the worker continues after them and
-    counts them against ``sampling.max_tokens``."""
+    counts them against ``sampling.max_tokens``.
+
+    ``block_keys`` (optional; hex on the wire): the keys of the prompt's full blocks as the
+    prefill worker computed them (its final line's ``block_keys``). A worker given them checks
+    they equal its own keys for ``prompt_token_ids`` under its namespace salted by
+    ``cache_salt`` and refuses the request (HTTP 409) otherwise: the two workers disagree on
+    the model or the KV layout, and loading the other's blocks would be wrong."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -210,12 +219,14 @@ class GenerateRequest:
     output_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     phase: Phase = "full"
+    block_keys: list[BlockKey] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
             "output_token_ids": self.output_token_ids, "sampling": self.sampling.to_json(),
             "cache_salt": self.cache_salt, "phase": self.phase,
+            "block_keys": None if self.block_keys is None else [k.hex() for k in self.block_keys],
         }
 
     @classmethod
@@ -234,6 +245,7 @@ class GenerateRequest:
             output_token_ids=_token_ids(obj, "output_token_ids", []),
             cache_salt=_str(obj, "cache_salt", None),
             phase=_str(obj, "phase", "full", choices=PHASES),
+            block_keys=_keys(obj, "block_keys", optional=True),
         )
 
 
@@ -318,13 +330,21 @@ class RequestStats:
 
 @dataclass(slots=True)
 class GenerateFinal:
-    """The last stream line: why the request ended, and its stats."""
+    """The last stream line: why the request ended, and its stats.
+
+    ``block_keys`` (a ``phase="prefill"`` request's final line only; hex on the wire): the keys
+    of the prompt's full blocks, every one of them acknowledged by the store. The router
+    passes them on in the decode request (``GenerateRequest.block_keys``)."""
 
     finish_reason: FinishReason
     stats: RequestStats = field(default_factory=RequestStats)
+    block_keys: list[BlockKey] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
+        out = {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
+        if self.block_keys is not None:
+            out["block_keys"] = [k.hex() for k in self.block_keys]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateFinal:
@@ -332,6 +352,7 @@ class GenerateFinal:
         return cls(
             finish_reason=_str(obj, "finish_reason", choices=FINISH_REASONS),
             stats=RequestStats.from_json(obj.get("stats", {})),
+            block_keys=_keys(obj, "block_keys", optional=True),
         )
 
 

@@ -20,6 +20,10 @@ Contracts:
   those the original run sampled.
 - A request without a seed gets a random one at admission; every :class:`RequestOutput`
   reports it.
+- ``block_keys`` given with a request (a decode handoff: the prefill worker's keys of the
+  prompt's full blocks) must equal this engine's own keys for the prompt, or ``add_request``
+  raises :class:`BlockKeyMismatch` (a ``ValueError``) and admits nothing: the two engines
+  disagree on the model, the KV layout or the salt, and the other's blocks must not be loaded.
 - The engine's namespace id comes from the runner's facts (config, weights digest, dtype,
   block size, layout); a request's keys hash under it, salted by its ``cache_salt``.
 - ``on_kv_event`` receives the block manager's ``stored``/``removed`` events, and an optional
@@ -47,7 +51,11 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStats
 from kvstore.keys import BlockKey, namespace_id, salted
 
-__all__ = ["RequestOutput", "Completion", "Runner", "LLMEngine"]
+__all__ = ["BlockKeyMismatch", "RequestOutput", "Completion", "Runner", "LLMEngine"]
+
+
+class BlockKeyMismatch(ValueError):
+    """A request's given ``block_keys`` differ from this engine's keys for its prompt."""
 
 
 class Runner(Protocol):
@@ -150,6 +158,7 @@ class LLMEngine:
         output_token_ids: SequenceABC[int] = (),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        block_keys: SequenceABC[BlockKey] | None = None,
     ) -> SamplingParams:
         """Queue a request; returns its parameters with the seed it will sample with."""
         params = params if params is not None else SamplingParams()
@@ -163,8 +172,17 @@ class LLMEngine:
             output_token_ids=[int(t) for t in output_token_ids],
             arrival_time=arrival_time,
         )
+        if block_keys is not None:
+            self._check_keys(seq, block_keys, cache_salt)
         self.scheduler.add(seq)
         return seq.sampling_params
+
+    def prompt_block_keys(self, request_id: str) -> list[BlockKey]:
+        """Keys of a live request's full prompt blocks (computed at admission, only read)."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        return seq.prompt_block_keys
 
     def abort(self, request_id: str) -> bool:
         """Abort a request and free its blocks; its final output comes from the next step."""
@@ -247,6 +265,21 @@ class LLMEngine:
             seq.finish_reason,
             seq.sampling_params.seed,
             seq.stats,
+        )
+
+    def _check_keys(self, seq: Sequence, given: SequenceABC[BlockKey], salt: str | None) -> None:
+        ours = seq.prompt_block_keys
+        if list(given) == ours:
+            return
+        where = (f"{len(given)} keys given, {len(ours)} full prompt blocks here"
+                 if len(given) != len(ours) else
+                 next(f"block {i} differs (given {a.hex()}, computed {b.hex()})"
+                      for i, (a, b) in enumerate(zip(given, ours, strict=True)) if a != b))
+        raise BlockKeyMismatch(
+            f"request {seq.request_id!r}: block_keys do not match this worker's keys for the "
+            f"prompt ({where}): the prefill worker and this one disagree on the model, the KV "
+            f"layout or the cache salt (this worker's namespace is {self.namespace.hex()}"
+            f"{', salted' if salt else ''}); refusing to load its blocks"
         )
 
     def _validate(

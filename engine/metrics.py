@@ -38,7 +38,7 @@ class WorkerMetrics:
         self.requests = Counter(
             "kvengine_requests_finished", "Finished requests by reason", ["finish_reason"], registry=r)
         self.rejected = Counter(
-            "kvengine_requests_rejected", "Requests refused (bad input or draining)", ["reason"],
+            "kvengine_requests_rejected", "Requests refused (bad input, draining, block keys that differ from this worker's)", ["reason"],
             registry=r)
         self.step_seconds = Histogram(
             "kvengine_step_seconds", "Engine step time by step kind", ["kind"],
@@ -63,6 +63,8 @@ class WorkerMetrics:
             self.store_blocks_bad.labels(reason)
         for kind in ("prefill", "decode", "mixed"):
             self.step_seconds.labels(kind)
+        for reason in ("bad_request", "draining", "block_keys"):
+            self.rejected.labels(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -139,6 +139,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens > 1
 
     @property
+    def prompt_block_keys(self) -> list[BlockKey]:
+        """Keys of the prompt's full blocks (what a prefill hands over)."""
+        return self.block_keys[: self.num_prompt_tokens // self.block_size]
+
+    @property
     def num_full_computed_blocks(self) -> int:
         return self.num_computed_tokens // self.block_size
 

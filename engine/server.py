@@ -2,7 +2,8 @@
 
 - ``POST /generate``: body ``GenerateRequest``; 400 names the bad field or value (malformed
   JSON, ids outside the vocabulary, prompt + max_tokens beyond the context), 503 while the
-  worker drains. Otherwise an NDJSON stream of ``GenerateChunk`` lines and one final
+  worker drains, 409 when the request's ``block_keys`` differ from this worker's keys for the
+  prompt (the prefill worker and this one disagree on model, layout or salt). Otherwise an NDJSON stream of ``GenerateChunk`` lines and one final
   ``GenerateFinal`` line. A client that disconnects aborts its request.
 - ``POST /abort`` ``{"request_id"}``: abort (idempotent; unknown ids are a no-op).
 - ``GET /events?since=SEQ``: NDJSON stream of events after ``SEQ`` (without ``since``: from
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api_types import ApiValidationError, GenerateFinal, GenerateRequest, WorkerInfo
 from engine.events import EventStream
+from engine.llm_engine import BlockKeyMismatch
 from engine.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from engine.worker import Draining, EngineWorker
 
@@ -77,6 +79,8 @@ def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
             return _error(503, str(exc))
         try:
             await asyncio.wrap_future(accepted)
+        except BlockKeyMismatch as exc:
+            return _error(409, str(exc), field="block_keys")
         except ValueError as exc:
             return _error(400, str(exc))
         except RuntimeError as exc:  # the engine thread died meanwhile

@@ -9,7 +9,11 @@ Contract:
   that must be thread-safe and must not block (the server's sink is
   ``loop.call_soon_threadsafe(queue.put_nowait, item)``). The final line comes last, once the
   connector has acknowledged the request's saves; a phase="prefill" request's first token is
-  held back until then too (the handoff: every full block is in the store).
+  held back until then too (the handoff: every full block is in the store), and its final
+  line carries the prompt's full-block keys (``GenerateFinal.block_keys``).
+- A request that carries ``block_keys`` (a decode handoff) is admitted only if they equal the
+  engine's own keys for the prompt; otherwise ``submit``'s future fails with
+  ``BlockKeyMismatch`` (the server answers 409).
 - Phases: ``"prefill"`` runs the prompt and samples one token, saving its blocks even on a
   worker that does not save by default; ``"decode"`` and ``"full"`` generate up to
   ``max_tokens``, loading store hits on admission either way.
@@ -36,6 +40,7 @@ from engine.api_types import (GenerateChunk, GenerateFinal, GenerateRequest, Loa
                               RequestStats)
 from engine.connector import KVStoreConnector, LoadResult, SaveResult
 from engine.events import EventStream, RateMeter
+from engine.llm_engine import BlockKeyMismatch
 from engine.metrics import WorkerMetrics
 
 __all__ = ["Draining", "EngineWorker", "MeasuredRunner", "Sink"]
@@ -86,6 +91,7 @@ class _Stream:
     sink: Sink
     held: list[GenerateChunk] = field(default_factory=list)  # a prefill's token, until acked
     got_first_token: bool = False
+    prompt_keys: list | None = None  # a prefill's full prompt block keys, for its final line
 
 
 class EngineWorker:
@@ -222,14 +228,19 @@ class EngineWorker:
                     f"the context window of {self.engine.max_model_len} tokens")
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                     output_token_ids=request.output_token_ids,
-                                    cache_salt=request.cache_salt)
+                                    cache_salt=request.cache_salt,
+                                    block_keys=request.block_keys)
         except ValueError as exc:
-            self.metrics.rejected.labels("bad_request").inc()
+            reason = "block_keys" if isinstance(exc, BlockKeyMismatch) else "bad_request"
+            self.metrics.rejected.labels(reason).inc()
             fut.set_exception(exc)
             return
         if request.phase == "prefill" and self.connector is not None:
             self.connector.require_save(request.request_id)
-        self._streams[request.request_id] = _Stream(request, sink)
+        stream = _Stream(request, sink)
+        if request.phase == "prefill":
+            stream.prompt_keys = self.engine.prompt_block_keys(request.request_id)
+        self._streams[request.request_id] = stream
         with self._open_lock:
             self._open += 1
         fut.set_result(None)
@@ -283,7 +294,7 @@ class EngineWorker:
         )
         del self._streams[rid]
         if self.connector is None:
-            self._close(rid, stream, GenerateFinal(out.finish_reason, stats))
+            self._close(rid, stream, GenerateFinal(out.finish_reason, stats, stream.prompt_keys))
             return
         acked_from = time.perf_counter()
 
@@ -295,7 +306,7 @@ class EngineWorker:
                 if result.failed_blocks:
                     log.warning("request %s: %d blocks could not be saved; the decode worker "
                                 "will recompute them", rid, result.failed_blocks)
-            self._close(rid, stream, GenerateFinal(out.finish_reason, stats))
+            self._close(rid, stream, GenerateFinal(out.finish_reason, stats, stream.prompt_keys))
 
         self.connector.flush(rid).add_done_callback(saved)
 

@@ -3,9 +3,10 @@
 ``ChoiceRun.tokens()`` yields the output token chunks of one choice, in order, whatever
 happens to the workers underneath. The plan (``Plan``) says where it starts:
 
-- ``"disaggregated"``: ``phase="prefill"`` on ``plan.prefill`` gives the first token once every
-  full prompt block is in the store; then ``phase="decode"`` on a decode worker with
-  ``output_token_ids=[first]`` streams the rest.
+- ``"disaggregated"``: ``phase="prefill"`` on ``plan.prefill`` gives the first token and the
+  prompt's block keys once every full prompt block is in the store; then ``phase="decode"`` on
+  a decode worker with ``output_token_ids=[first]`` and those ``block_keys`` (the decode worker
+  refuses them with 409 if its own keys differ) streams the rest.
 - ``"full"``: one worker prefills and decodes (colocated mode, or ``auto`` mode's local path).
 
 Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
@@ -17,7 +18,9 @@ Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
   prompt's full blocks from the store, recomputes the rest, and continues. Sampling
   randomness is a function of ``(seed, position)``, so greedy and seeded requests continue
   exactly as an uninterrupted run would. At most ``max_resumes`` times.
-- ``WorkerRejected`` (4xx) is not retried: the request itself is wrong.
+- ``WorkerRejected`` (4xx) is not retried: the request itself is wrong (400), or, for a 409,
+  the prefill and decode workers disagree on the prompt's block keys (a deployment fault:
+  answered as a 500 naming it).
 
 Whatever ends the stream early (the consumer stops at a stop string, the client disconnects,
 an error), every worker still holding the request is told ``/abort`` (in the background, so
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.api_types import GenerateChunk, GenerateFinal, GenerateRequest, SamplingParams
-from router.openai_types import BadRequest, ServiceUnavailable
+from router.openai_types import BadRequest, OpenAIError, ServiceUnavailable
 from router.policy import Assignment, blocks_needed, choose_decode
 from router.request_log import PhaseStats, RequestRecord
 from router.worker_client import WorkerRejected, WorkerUnavailable
@@ -109,6 +112,7 @@ class ChoiceRun:
     max_resumes: int = 2
     finish_reason: str | None = None
     sent: list[int] = field(default_factory=list)
+    block_keys: list | None = None       # the prefill's prompt block keys, for the decode
     _live: dict[str, WorkerHandle] = field(default_factory=dict)
     _failed: set[str] = field(default_factory=set)
 
@@ -156,6 +160,7 @@ class ChoiceRun:
                 worker = self._pick_prefill()
                 continue
             rec.mark("prefill_end")
+            self.block_keys = final.block_keys
             for chunk in got:
                 self.sent.extend(chunk.token_ids)
                 yield chunk
@@ -249,7 +254,8 @@ class ChoiceRun:
         """One phase on ``worker``: its chunks (the first ends the prefill in the books), then
         its final line, recorded (``_finish_phase``); ``books`` released however it ends."""
         request = GenerateRequest(self.request_id, self.prompt_token_ids, self.sampling,
-                                  list(self.sent), self.cache_salt, phase)  # type: ignore[arg-type]
+                                  list(self.sent), self.cache_salt, phase,  # type: ignore[arg-type]
+                                  block_keys=self.block_keys if phase == "decode" else None)
         self._route(worker, phase)
         produced = 0
         try:
@@ -276,6 +282,9 @@ class ChoiceRun:
                     yield item
         except WorkerRejected as exc:
             self._live.pop(worker.worker_id, None)
+            if exc.status == 409:
+                raise OpenAIError(f"the prefill and decode workers disagree on the prompt's "
+                                  f"block keys: {exc}") from exc
             raise BadRequest(f"the worker refused the request: {exc}") from exc
         except WorkerUnavailable:
             self._abort_live(only=worker.worker_id)  # a 5xx from a live worker: free it there

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import kvstore
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockKey, block_keys, salted
 
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 from tests.engine.worker_procs import generate, greedy, metric, start_worker, wait_until
@@ -84,20 +84,24 @@ def _disagg(workers, rid: str, prompt: list[int]) -> tuple[list[int], dict, dict
     prefill, decode, _ = workers
     first, pre_final = generate(prefill.address, greedy(rid, prompt, MAX_TOKENS, "prefill"))
     assert len(first) == 1 and pre_final["finish_reason"] == "length"
-    rest, dec_final = generate(decode.address,
-                               greedy(rid, prompt, MAX_TOKENS, "decode", output=first))
-    return first + rest, pre_final["stats"], dec_final["stats"]
+    # The handoff carries the prompt's full-block keys; the decode worker checks them.
+    body = greedy(rid, prompt, MAX_TOKENS, "decode", output=first)
+    body["block_keys"] = pre_final["block_keys"]
+    rest, dec_final = generate(decode.address, body)
+    return first + rest, pre_final["stats"], dec_final["stats"], pre_final["block_keys"]
 
 
 @pytest.mark.parametrize("n", [37, 32, 50])
 def test_prefill_store_decode_equals_colocated_and_transformers(workers, client, tiny_llama_dir, n):
     prefill, decode, colocated = workers
     prompt = _prompt(n, n)
-    tokens, pre, dec = _disagg(workers, f"pd-{n}", prompt)
+    tokens, pre, dec, pre_keys = _disagg(workers, f"pd-{n}", prompt)
 
-    # The handoff: every full prompt block is in the store once the prefill answered.
+    # The handoff: every full prompt block is in the store once the prefill answered, and
+    # the answer names them.
     keys = block_keys(BlockKey.from_hex(prefill.namespace), prompt, BS)
     assert all(client.contains(keys))
+    assert pre_keys == [k.hex() for k in keys] and len(keys) == n // BS
     assert pre["computed_prompt_tokens"] == n and pre["kv_bytes_saved"] > 0
     # The decode worker computed no prompt token but the partial last block's (+ the first
     # token it was handed); every full block came from the store.
@@ -145,11 +149,47 @@ def test_damaged_store_block_is_recomputed_and_counted(workers, client, damage):
     assert first + rest == baseline
 
 
+def test_salted_prefill_keys_and_a_decode_with_wrong_keys_is_refused(workers, client):
+    """Keys under a cache salt are the salted namespace's; a decode whose given keys differ
+    from its own (another salt, a dropped block, a foreign namespace) is refused with 409
+    before anything is loaded or computed."""
+    prefill, decode, _ = workers
+    prompt = _prompt(11, 3 * BS + 3)
+    body = greedy("salt-p", prompt, MAX_TOKENS, "prefill")
+    body["cache_salt"] = "tenant-a"
+    first, pre = generate(prefill.address, body)
+    ns = salted(BlockKey.from_hex(prefill.namespace), "tenant-a")
+    assert pre["block_keys"] == [k.hex() for k in block_keys(ns, prompt, BS)]
+
+    refused = 'kvengine_requests_rejected_total{reason="block_keys"}'
+    before = metric(decode.address, refused)
+    unsalted = [k.hex() for k in block_keys(BlockKey.from_hex(decode.namespace), prompt, BS)]
+    for name, keys in (("unsalted", unsalted), ("short", pre["block_keys"][:-1]),
+                       ("foreign", [bytes(16).hex()] * 3)):
+        dec = greedy(f"salt-d-{name}", prompt, MAX_TOKENS, "decode", output=first)
+        dec.update(cache_salt="tenant-a", block_keys=keys)
+        r = httpx.post(f"{decode.address}/generate", json=dec, timeout=30)
+        assert r.status_code == 409, (name, r.text)
+        err = r.json()
+        assert err["field"] == "block_keys" and "disagree" in err["error"], err
+        assert decode.namespace in err["error"]
+    assert metric(decode.address, refused) == before + 3
+    # Malformed keys are a 400 naming the field; the right keys are served.
+    dec = greedy("salt-d-bad", prompt, MAX_TOKENS, "decode", output=first)
+    dec.update(cache_salt="tenant-a", block_keys=["xyz"])
+    r = httpx.post(f"{decode.address}/generate", json=dec, timeout=30)
+    assert r.status_code == 400 and r.json()["field"] == "block_keys"
+    dec.update(request_id="salt-d-ok", block_keys=pre["block_keys"])
+    rest, final = generate(decode.address, dec)
+    assert len(rest) == MAX_TOKENS - 1 and final["stats"]["store_hit_tokens"] == 3 * BS
+    assert "block_keys" not in final  # only a prefill's final line carries them
+
+
 def test_decode_with_device_hit_skips_the_store(workers):
     """A second decode of the same prompt hits the decode worker's own prefix cache."""
     _, decode, _ = workers
     prompt = _prompt(7, 40)
-    tokens, _, dec = _disagg(workers, "dev-1", prompt)
+    tokens, _, dec, _ = _disagg(workers, "dev-1", prompt)
     again, final = generate(decode.address,
                             greedy("dev-2", prompt, MAX_TOKENS, "decode", output=tokens[:1]))
     assert tokens[1:] == again

@@ -16,8 +16,9 @@ import torch
 
 from engine.block_manager import KVEvent
 from engine.engine_config import EngineConfig
-from engine.llm_engine import Completion, LLMEngine
+from engine.llm_engine import BlockKeyMismatch, Completion, LLMEngine
 from engine.sampling import SamplingParams
+from kvstore.keys import block_keys, salted
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 
 torch.set_num_threads(1)
@@ -104,6 +105,22 @@ def test_cache_salt_separates_namespaces(tiny_llama_dir: Path) -> None:
         for out in engine.step():
             stats = out.stats
     assert stats is not None and stats.device_hit_tokens == 0
+
+
+def test_given_block_keys_must_equal_the_engines_own(tiny_llama_dir: Path) -> None:
+    """A handoff's keys are checked against the engine's own for the prompt; a mismatch is
+    refused before anything is admitted."""
+    engine = make_engine(tiny_llama_dir)
+    prompt = PROMPTS[4] + [9, 9, 9]                          # 67 tokens: 4 full blocks
+    ns = salted(engine.namespace, "t")
+    keys = block_keys(ns, prompt, 16)
+    engine.add_request("ok", prompt, GREEDY, cache_salt="t", output_token_ids=[5], block_keys=keys)
+    assert engine.prompt_block_keys("ok") == keys and len(keys) == 4
+    for bad in (block_keys(engine.namespace, prompt, 16), keys[:3], keys[::-1]):
+        with pytest.raises(BlockKeyMismatch, match="disagree") as err:
+            engine.add_request("bad", prompt, GREEDY, cache_salt="t", block_keys=bad)
+        assert engine.namespace.hex() in str(err.value)
+        assert engine.scheduler.get("bad") is None and engine.num_waiting == 1
 
 
 def test_preemption_equals_no_preemption(tiny_llama_dir: Path, record_property) -> None:
