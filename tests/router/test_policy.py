@@ -1,4 +1,5 @@
-"""Routing policies: TTFT estimates that follow measured rates, prefix affinity, decode fit."""
+"""Routing policies: the learned TTFT model (overhead + tokens / rate, fitted per worker),
+prefix affinity against queued work, decode fit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from engine.api_types import LoadFigures, RequestStats, Snapshot, WorkerInfo
 from kvstore.keys import block_keys
 from router.kv_index import KvIndex
 from router.policy import (
+    LinearCost,
     PrefillPolicy,
     RateConfig,
     WorkerLoad,
@@ -20,65 +22,238 @@ NS = bytes(16)
 BS = 16
 PROMPT = list(range(1000, 1000 + 20 * BS + 5))  # 20 full blocks + 5 tokens
 KEYS = block_keys(NS, PROMPT, BS)
+RATES = RateConfig(prefill_tokens_per_s=1000.0, load_tokens_per_s=10_000.0)
 
 
-def _worker(wid: str, role: str = "prefill", capacity: int = 1000) -> WorkerLoad:
+def _worker(wid: str, role: str = "prefill", capacity: int = 1000, rates: RateConfig = RATES) -> WorkerLoad:
     info = WorkerInfo(wid, f"http://{wid}:1", role, "m", NS, BS, capacity, 4096)  # type: ignore[arg-type]
-    return WorkerLoad(info, RateConfig(prefill_tokens_per_s=1000.0, load_tokens_per_s=10_000.0))
+    return WorkerLoad(info, rates)
 
 
-def _index_with(holdings: dict[str, int]) -> KvIndex:
+def _index_with(holdings: dict[str, int], keys: list[bytes] = KEYS) -> KvIndex:
     index = KvIndex()
     for wid, n in holdings.items():
-        index.reset(wid, Snapshot(0, tuple(KEYS[:n]), LoadFigures()))
+        index.reset(wid, Snapshot(0, tuple(keys[:n]), LoadFigures()))
     return index
 
 
-def test_estimate_follows_measured_prefill_rate() -> None:
+def _prefill(tokens: int, seconds: float) -> RequestStats:
+    return RequestStats(computed_prompt_tokens=tokens, prefill_s=seconds)
+
+
+# --- the cost model --------------------------------------------------------------------------
+
+def test_linear_cost_fits_overhead_and_rate_from_spread_samples() -> None:
+    c = LinearCost(0.01, 1000.0)
+    assert (c.overhead_s, c.tokens_per_s, c.mean_tokens) == (0.01, 1000.0, None)
+    for _ in range(20):
+        for n in (32, 256, 1024, 4096):
+            c.update(n, 0.05 + n / 8000)
+    assert c.overhead_s == pytest.approx(0.05, rel=0.05)
+    assert c.tokens_per_s == pytest.approx(8000, rel=0.02)
+    # Samples without tokens or time are "not measured".
+    before = (c.overhead_s, c.per_token_s, c.samples)
+    for tokens, seconds in ((0, 1.0), (10, 0.0), (10, -1.0), (10, float("inf")), (10, float("nan"))):
+        c.update(tokens, seconds)
+    assert (c.overhead_s, c.per_token_s, c.samples) == before
+
+
+def test_linear_cost_without_spread_keeps_the_prior_it_cannot_measure() -> None:
+    # All samples tiny: they fix the time near 8 tokens, and that is overhead; the rate stays
+    # at the prior (nothing measured it).
+    tiny = LinearCost(0.01, 1000.0)
+    for _ in range(30):
+        tiny.update(8, 0.03 + 8 / 5000)
+    assert tiny.seconds(8) == pytest.approx(0.0316, rel=0.02)
+    assert tiny.tokens_per_s == pytest.approx(1000.0, rel=0.01)
+    assert tiny.overhead_s == pytest.approx(0.0316 - 8 / 1000, rel=0.05)
+    # All samples long: they teach the rate; the overhead stays near the prior.
+    long = LinearCost(0.01, 1000.0)
+    for _ in range(30):
+        long.update(4000, 0.01 + 4000 / 5000)
+    assert long.tokens_per_s == pytest.approx(5000, rel=0.02)
+    assert 0.0 <= long.overhead_s <= 0.02
+
+
+def test_linear_cost_clamps() -> None:
+    # Time falling with size (noise, or a cache warming up) would fit a negative rate.
+    c = LinearCost(0.01, 1000.0)
+    for _ in range(30):
+        c.update(100, 0.5)
+        c.update(5000, 0.1)
+    assert c.per_token_s >= 1e-9 and c.overhead_s >= 0.0
+    assert c.seconds(100) > 0.0
+    # Time proportional to size with a tiny prior overhead would fit a negative overhead.
+    c = LinearCost(0.0, 1000.0)
+    for _ in range(30):
+        c.update(100, 0.01)
+        c.update(1000, 0.2)
+    assert c.overhead_s == 0.0 and c.per_token_s > 0.0
+    with pytest.raises(ValueError):
+        LinearCost(0.01, 0.0)
+    with pytest.raises(ValueError, match="fit_alpha"):
+        RateConfig(fit_alpha=0.0)
+
+
+# --- (1) overhead-dominated measurements do not mis-rank the worker holding the prefix -------
+
+def test_worker_measured_on_tiny_prompts_still_wins_the_long_prompt_it_holds() -> None:
+    # Both workers really cost 20 ms + n / 4000 s. "small" has only served tiny prompts, so
+    # its measured rate (what its load events report, and n / prefill_s) is 200-500 tokens/s;
+    # "big" has served long ones and measures ~3600 tokens/s.
+    def true_s(n: int) -> float:
+        return 0.02 + n / 4000
+
+    prompt = list(range(2000))                       # 125 blocks
+    keys = block_keys(NS, prompt, BS)
+    small, big = _worker("small", rates=RateConfig()), _worker("big", rates=RateConfig())
+    for _ in range(5):
+        for n in range(4, 13):
+            small.observe_stats(_prefill(n, true_s(n)))
+            small.observe_load(LoadFigures(prefill_tokens_per_s=n / true_s(n)))
+        for n in range(1500, 2501, 125):
+            big.observe_stats(_prefill(n, true_s(n)))
+            big.observe_load(LoadFigures(prefill_tokens_per_s=n / true_s(n)))
+    assert small.prefill_rate.value < 500 and big.prefill_rate.value > 3500
+    policy = PrefillPolicy("kv-aware", _index_with({"small": 110, "big": 0}, keys))
+    # small holds 110 of the 125 blocks: 240 tokens to compute, against 2000 on big.
+    # A rate-only model (tokens / measured rate) would send it to big: 240/450 s > 2000/3600 s.
+    assert 240 / small.prefill_rate.value > 2000 / big.prefill_rate.value
+    worker, est = policy.choose([small, big], keys, len(prompt))
+    assert worker is small and est.uncached_tokens == 240
+    # The learned model is close to the truth where it was measured: small's overhead is
+    # what its tiny prompts showed, big's rate is its real rate.
+    assert small.prefill_cost.overhead_s == pytest.approx(0.02, rel=0.25)
+    assert big.prefill_cost.tokens_per_s == pytest.approx(4000, rel=0.05)
+    by_id = {e.worker_id: e for e in policy.estimates([small, big], keys, len(prompt))}
+    assert by_id["big"].ttft_s == pytest.approx(true_s(2000), rel=0.05)
+    assert by_id["small"].ttft_s < true_s(2000) / 3
+
+
+# --- (2) the estimate follows a change in load: rates and queue ------------------------------
+
+def test_estimate_follows_a_change_in_rate() -> None:
     w = _worker("a")
     policy = PrefillPolicy("kv-aware", _index_with({"a": 0}))
     n = len(PROMPT)
-    (before,) = policy.estimates([w], KEYS, n)
-    assert before.uncached_tokens == n and before.compute_s == pytest.approx(n / 1000.0)
-    # The worker reports a slower prefill (it got busy): the estimate moves toward it.
+
+    def compute_s() -> float:
+        return policy.estimates([w], KEYS, n)[0].compute_s
+
+    assert compute_s() == pytest.approx(RATES.prefill_overhead_s + n / 1000.0)  # the priors
+    sizes = (64, 256, 1024)
+    for _ in range(30):                                   # idle: 20 ms + n / 4000
+        for s in sizes:
+            w.observe_stats(_prefill(s, 0.02 + s / 4000))
+    idle = compute_s()
+    assert idle == pytest.approx(0.02 + n / 4000, rel=0.05)
+    # It gets busy: 40 ms + n / 2000. The estimate moves toward it, smoothed, and gets there.
+    busy_truth = 0.04 + n / 2000
     history = []
+    for _ in range(30):
+        for s in sizes:
+            w.observe_stats(_prefill(s, 0.04 + s / 2000))
+        history.append(compute_s())
+    assert idle < history[0] < (idle + busy_truth) / 2 + 0.01   # not jumping to the newest
+    assert all(x <= y + 1e-12 for x, y in zip(history, history[1:]))
+    assert history[-1] == pytest.approx(busy_truth, rel=0.05)
+    # Store loads happen inside prefill_s; the compute sample leaves them out.
+    before = w.prefill_cost.samples
+    w.observe_stats(RequestStats(computed_prompt_tokens=256, prefill_s=0.5, store_hit_tokens=1000,
+                                 store_load_s=0.5))  # all of it was loading: no compute sample
+    w.observe_stats(_prefill(0, 1.0))                # nothing computed: no sample
+    assert w.prefill_cost.samples == before and w.load_cost.samples == 1
+    # A rate reported in a load event raises the prior of a worker not measured yet; a
+    # reported rate is never lower than the overhead-free one, so it never lowers the prior.
+    fresh = _worker("f")
+    prior = policy.estimates([fresh], KEYS, n)[0].compute_s
+    fresh.observe_load(LoadFigures(prefill_tokens_per_s=250.0))
+    assert policy.estimates([fresh], KEYS, n)[0].compute_s == pytest.approx(prior)
+    fresh.observe_load(LoadFigures(prefill_tokens_per_s=8000.0))
+    assert fresh.prefill_rate.value > 1000.0
+    assert policy.estimates([fresh], KEYS, n)[0].compute_s < prior
+    fresh.observe_load(LoadFigures(prefill_tokens_per_s=0.0))   # 0.0: not measured
+    assert fresh.prefill_rate.samples == 2
+
+
+def test_estimate_follows_a_change_in_queue() -> None:
+    rates = RateConfig(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.02)
+    w = _worker("a", rates=rates)
     for _ in range(10):
-        w.observe_load(LoadFigures(running=4, prefill_tokens_per_s=250.0))
-        history.append(policy.estimates([w], KEYS, n)[0].compute_s)
-    assert history[0] == pytest.approx(n / 250.0)  # the first measurement replaces the prior
-    w.observe_load(LoadFigures(prefill_tokens_per_s=500.0))
-    after = policy.estimates([w], KEYS, n)[0].compute_s
-    assert n / 500.0 < after < n / 250.0  # smoothed, not jumping to the latest sample
-    # "0.0" means not measured: it does not move the average.
-    w.observe_load(LoadFigures(prefill_tokens_per_s=0.0))
-    assert policy.estimates([w], KEYS, n)[0].compute_s == pytest.approx(after)
-    # Finished requests' stats are samples too.
-    w.observe_stats(RequestStats(computed_prompt_tokens=4000, prefill_s=1.0))
-    assert policy.estimates([w], KEYS, n)[0].compute_s < after
+        w.observe_stats(_prefill(200, 0.02 + 200 / 1000))   # on the prior line: fit exact
+    policy = PrefillPolicy("kv-aware", _index_with({"a": 0}))
+    n = len(PROMPT)
+
+    def queue_s() -> float:
+        return policy.estimates([w], KEYS, n)[0].queue_s
+
+    assert queue_s() == 0.0
+    # This router books prefills there: their tokens and their overheads queue.
+    first, second = w.assign(prefill_tokens=500), w.assign(prefill_tokens=100)
+    assert queue_s() == pytest.approx(2 * 0.02 + 600 / 1000)
+    first.prefill_done()
+    assert queue_s() == pytest.approx(0.02 + 100 / 1000)
+    # The worker reports 3 waiting (ours plus 2 from other routers, of unknown size: costed
+    # at the mean measured prefill, 200 tokens).
+    w.observe_load(LoadFigures(waiting=3))
+    assert queue_s() == pytest.approx(0.02 + 100 / 1000 + 2 * (0.02 + 200 / 1000))
+    second.release()
+    w.observe_load(LoadFigures(waiting=0))
+    assert queue_s() == 0.0 and w.pending_prefills == 0 and w.pending_prefill_tokens == 0
 
 
-def test_kv_aware_prefers_the_worker_holding_the_prefix_until_it_is_busy() -> None:
-    a, b = _worker("a"), _worker("b")
+# --- (3) the trade-off between a cached prefix and a queue -----------------------------------
+
+def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix() -> None:
+    # Both workers: 20 ms + n / 1000 s (the priors, and the samples on that line, so the fit
+    # is exact). The prompt is 325 tokens; b holds 16 blocks (256 tokens) on device.
+    #   a: 0.020 + 325 / 1000           = 0.345 s
+    #   b: queue + 0.020 + 69 / 1000    = queue + 0.089 s
+    # so b loses once its queue is over 0.256 s. One booked prefill of k tokens queues
+    # 0.020 + k / 1000 s: b loses past k = 236. A waiting request of another router's is
+    # costed at the mean measured size (200 tokens): 0.220 s, so one is fine, two are not.
+    rates = RateConfig(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.02)
+    a, b = _worker("a", rates=rates), _worker("b", rates=rates)
+    for w in (a, b):
+        for _ in range(10):
+            w.observe_stats(_prefill(200, 0.02 + 200 / 1000))
     policy = PrefillPolicy("kv-aware", _index_with({"a": 0, "b": 16}))
-    worker, est = policy.choose([a, b], KEYS, len(PROMPT))
-    assert worker is b and est.device_hit_tokens == 16 * BS
-    assert est.uncached_tokens == len(PROMPT) - 16 * BS
-    # Queue b with enough pending prefill that recomputing on a is faster.
+    n = len(PROMPT)
+    worker, est = policy.choose([a, b], KEYS, n)
+    assert worker is b and est.device_hit_tokens == 256 and est.uncached_tokens == 69
+    assert est.ttft_s == pytest.approx(0.089)
+    assert policy.estimates([a], KEYS, n)[0].ttft_s == pytest.approx(0.345)
+    for k, winner in ((230, b), (242, a)):
+        booking = b.assign(prefill_tokens=k)
+        assert policy.choose([a, b], KEYS, n)[0] is winner, k
+        booking.release()
+    for waiting, winner in ((1, b), (2, a)):
+        b.observe_load(LoadFigures(waiting=waiting))
+        assert policy.choose([a, b], KEYS, n)[0] is winner, waiting
+    b.observe_load(LoadFigures())
     booking = b.assign(prefill_tokens=2000)
-    assert policy.choose([a, b], KEYS, len(PROMPT))[0] is a
     booking.release()
     booking.release()  # idempotent
-    assert b.pending_prefill_tokens == 0 and b.inflight_requests == 0
-    assert policy.choose([a, b], KEYS, len(PROMPT))[0] is b
+    assert b.pending_prefill_tokens == 0 and b.pending_prefills == 0 and b.inflight_requests == 0
+    assert policy.choose([a, b], KEYS, n)[0] is b
 
 
-def test_store_hits_count_at_the_load_rate() -> None:
+# --- store hits, other policies, decode choice, auto mode -----------------------------------
+
+def test_store_hits_cost_load_overhead_plus_tokens_at_the_load_rate() -> None:
     a = _worker("a")
     policy = PrefillPolicy("kv-aware", _index_with({"a": 4}))
     est = policy.estimates([a], KEYS, len(PROMPT), store_blocks=20)[0]
     assert est.device_hit_tokens == 4 * BS and est.store_hit_tokens == 16 * BS
     assert est.uncached_tokens == 5
-    assert est.load_s == pytest.approx(16 * BS / 10_000.0)
+    assert est.load_s == pytest.approx(RATES.load_overhead_s + 16 * BS / 10_000.0)
+    assert policy.estimates([a], KEYS, len(PROMPT))[0].load_s == 0.0  # no store hit, no cost
+    # Learned like the prefill cost, from finished requests' store loads.
+    for _ in range(30):
+        for s in (64, 512, 2048):
+            a.observe_stats(RequestStats(store_hit_tokens=s, store_load_s=0.005 + s / 100_000))
+    est = policy.estimates([a], KEYS, len(PROMPT), store_blocks=20)[0]
+    assert est.load_s == pytest.approx(0.005 + 16 * BS / 100_000, rel=0.05)
     # A fully cached prompt still computes its last token.
     full = list(range(2 * BS))
     est = policy.estimates([a], block_keys(NS, full, BS), len(full), store_blocks=2)[0]
