@@ -138,18 +138,24 @@ async def long_hit(url: str, space: TokenSpace, seed: int = 7) -> dict[str, Any]
     return out
 
 
-def log_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Store hits, KV bytes and KV transfer time vs TTFT over router request records."""
-    ok = [r for r in records if r.get("status") == "ok" and "first_token" in r.get("timeline", {})]
+def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
+    """Store hits, KV bytes and KV transfer time vs TTFT over router request records.
+
+    The first ``skip`` records are the sweep's unloaded probes (one warm-up + 3, sent one at
+    a time before any load); records with one output token are trace pre-warm requests.
+    Hit rates are the first phase's (prefill, or the colocated run): the decode phase's
+    store loads are the handoff, not a hit."""
+    ok = [r for r in records[skip:] if r.get("status") == "ok" and r.get("output_tokens", 0) > 1
+          and "first_token" in r.get("timeline", {}) and r.get("phases")]
     if not ok:
         return {"records": 0}
     prompt = sum(r["prompt_tokens"] for r in ok)
-    tok = [r.get("tokens", {}) for r in ok]
+    first = [r["phases"][0].get("stats") or {} for r in ok]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     stats: dict[str, Any] = {
         "records": len(ok),
-        "store_hit_rate": sum(t.get("store_hit", 0) for t in tok) / prompt,
-        "device_hit_rate": sum(t.get("device_hit", 0) for t in tok) / prompt,
+        "store_hit_rate": sum(s.get("store_hit_tokens", 0) for s in first) / prompt,
+        "device_hit_rate": sum(s.get("device_hit_tokens", 0) for s in first) / prompt,
         "router_ttft_p50_s": pct([r["timeline"]["first_token"] for r in ok], 50),
     }
     split = [r for r in ok if len(r.get("phases", [])) >= 2 and r["phases"][0]["phase"] == "prefill"]
@@ -199,6 +205,7 @@ def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list
                 rec = run_sweep(name, url, key, flags, salt, cdir / key, slos.get(part))
                 recs = [json.loads(x) for x in open(reqlog).read().splitlines()[start:]] if reqlog.exists() else []
                 rec["router_log"] = log_stats(recs)
+                rec["router_log_lines"] = [start, start + len(recs)]
                 cfg = rec.get("configs", {}).get(name)
                 if cfg and part not in slos:
                     slos[part] = cfg["slo"]

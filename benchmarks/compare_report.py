@@ -39,6 +39,18 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
+def _router_log(out: Path, config: str, sweep: dict[str, Any]) -> dict[str, Any] | None:
+    """The part's router-log figures, recomputed from its lines of the log when they are known."""
+    lines = sweep.get("router_log_lines")
+    path = out / config / "router_requests.jsonl"
+    if not lines or not path.exists():
+        return sweep.get("router_log")
+    from benchmarks.compare import log_stats
+
+    recs = [json.loads(x) for x in path.read_text().splitlines()[lines[0]:lines[1]]]
+    return log_stats(recs)
+
+
 def collect(out: Path) -> dict[str, Any]:
     comp = json.loads((out / "compare.json").read_text())
     figures: dict[str, Any] = {"machine": comp["machine"], "quick": comp["quick"], "slos": comp["slos"],
@@ -67,7 +79,7 @@ def collect(out: Path) -> dict[str, Any]:
                 continue
             sweep = c["parts"].get(part, {})
             f[part] = {"max_rate_90": (sweep.get("configs", {}).get(name) or {}).get("max_rate_90"),
-                       "router_log": sweep.get("router_log"),
+                       "router_log": _router_log(out, name, sweep),
                        "curve": [{"rate": p["rate"], "issued": p["summary"]["issued"],
                                   "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
                                   "ttft_p50_s": _stat(p["summary"], "ttft_s", "p50"),
@@ -106,7 +118,7 @@ def tables(fig: dict[str, Any]) -> str:
                              f"{_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} | {_ms(p['tpot_p50_s'])} / "
                              f"{_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} |")
     lines += ["", "| configuration | workload | store hit rate | device hit rate | router TTFT p50 (ms) | "
-              "P->D KV bytes p50 / p95 (KiB) | transfer / TTFT p50 / p95 | decode load gap p50 (ms) |",
+              "P->D KV bytes p50 / p95 (KiB) | transfer / TTFT p50 / p95 | handoff to decode's first token p50 (ms) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for part in ("trace", "trace_salted", "multi_turn"):
         for n, f in cs.items():
