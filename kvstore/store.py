@@ -15,8 +15,8 @@ Contract (``docs/architecture.md``, "BlockStore"), and the decisions behind it:
 - Watermarks: when a commit (or a promotion) leaves host occupancy above ``high_watermark``,
   the caller's thread demotes least-recently-used blocks down to ``low_watermark``: to the
   GPU tier if any, else to SSD, else they are evicted. SSD writes for this run *outside* the
-  lock (the victims are pinned by the store meanwhile, so readers keep reading them), in
-  LMDB transactions of at most ``_DEMOTE_CHUNK`` bytes.
+  lock (the victims are pinned by the store meanwhile, so readers keep reading them).
+  How blocks move between tiers lives in ``tiering.py``; this module owns the index and API.
 - A reserve that does not fit demotes/evicts synchronously under the lock (rare when the
   watermarks do their job); if nothing evictable is left it raises ``StoreFull`` and
   reserves nothing.
@@ -32,12 +32,9 @@ Thread-safe: one lock guards the index; payload bytes are copied outside it.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-
-import lmdb
 
 from .arena import Arena
 from .errors import KVStoreError, StoreFull, StoreUnavailable
@@ -45,14 +42,12 @@ from .host_tier import EntryState, HostEntry, HostIndex
 from .keys import BlockKey
 from .ssd_tier import SsdTier, checksum
 from .store_stats import StoreStats, TierStats
+from .tiering import Tiering
 
 __all__ = ["StoreConfig", "BlockStore", "Location", "Reservation", "ReservationError",
            "StoreStats", "TierStats"]
 
-log = logging.getLogger(__name__)
-
 GRANULE = 64  # arena allocation unit; payload offsets are 64-byte aligned
-_DEMOTE_CHUNK = 64 << 20  # bytes per demotion transaction
 
 
 @dataclass(frozen=True)
@@ -120,14 +115,15 @@ class BlockStore:
                 self._ssd.close()
             raise
         self._lock = threading.Lock()
-        self._spilling = False
         self._closed = False
-        self._high = int(config.high_watermark * self._host.capacity)
-        self._low = int(config.low_watermark * self._host.capacity)
         self._s_host = TierStats(capacity_bytes=self._host.capacity)
         self._s_gpu = TierStats(capacity_bytes=self._gpu.capacity) if self._gpu is not None else None
         self._s_ssd = TierStats(capacity_bytes=self._ssd.capacity) if self._ssd is not None else None
         self._counters = StoreStats(host=self._s_host, gpu=self._s_gpu, ssd=self._s_ssd)
+        self._tiers = Tiering(self._host, self._gpu, self._ssd, self.arena, self._lock,
+                              self._counters,
+                              high_bytes=int(config.high_watermark * self._host.capacity),
+                              low_bytes=int(config.low_watermark * self._host.capacity))
 
     # -- writes -------------------------------------------------------------------------
 
@@ -154,7 +150,7 @@ class BlockStore:
                 seen.add(key)
                 entry = self._host.reserve(key, size, owner)
                 while entry is None:
-                    if not self._make_room_locked(size):
+                    if not self._tiers.make_room_locked(size):
                         for e in made:
                             self._host.abort(e)
                         self._counters.store_full += 1
@@ -185,9 +181,9 @@ class BlockStore:
                     self._host.commit(e, c)
                     self._counters.puts += 1
                     self._s_host.bytes_in += e.size
-            pressure = self._host.used_bytes > self._high
+            pressure = self._tiers.over_high_locked()
         if pressure:
-            self._relieve_pressure()
+            self._tiers.relieve_pressure()
 
     def abort(self, keys: Iterable[BlockKey]) -> None:
         """Release reservations (keys not reserved are ignored: abort is cleanup)."""
@@ -231,7 +227,7 @@ class BlockStore:
         """Pin blocks for reading; host locations, promoting GPU/SSD hits. None = miss."""
         keys = list(keys)
         out: list[Location | None] = [None] * len(keys)
-        from_ssd: list[tuple[int, HostEntry, int]] = []
+        from_ssd: list[tuple[int, HostEntry, int]] = []  # (index in keys, slot, checksum)
         with self._lock:
             self._check_open()
             for i in range(len(keys) - 1, -1, -1):
@@ -247,19 +243,22 @@ class BlockStore:
                 if e is not None:  # being written, promoted or deleted: a miss
                     continue
                 if self._gpu is not None:
-                    loc = self._promote_from_gpu_locked(key, owner)
-                    if loc is not None:
-                        out[i] = loc
+                    slot = self._tiers.promote_from_gpu_locked(key, owner)
+                    if slot is not None:
+                        out[i] = Location(slot.offset, slot.size)
                         continue
                 if self._ssd is None:
                     continue
                 rec = self._ssd.record(key)
-                if rec is None or (slot := self._reserve_slot_locked(key, rec.size)) is None:
+                if rec is None or (slot := self._tiers.reserve_slot_locked(key, rec.size)) is None:
                     self._s_ssd.misses += 1
                     continue
                 from_ssd.append((i, slot, rec.checksum))
         if from_ssd:
-            self._promote_from_ssd(from_ssd, out, owner)
+            arrived = self._tiers.promote_from_ssd([(e, c) for _, e, c in from_ssd], owner)
+            for (i, e, _), ok in zip(from_ssd, arrived):
+                if ok:
+                    out[i] = Location(e.offset, e.size)
         return out
 
     def unpin(self, keys: Iterable[BlockKey], owner: Hashable | None = None) -> None:
@@ -334,6 +333,7 @@ class BlockStore:
             if self._closed:
                 return
             self._closed = True
+            self._tiers.closed = True
         if self._ssd is not None:
             self._ssd.close()
         if self._gpu is not None:
@@ -362,179 +362,3 @@ class BlockStore:
         if e is not None:
             return e.visible
         return (self._gpu is not None and key in self._gpu) or (self._ssd is not None and key in self._ssd)
-
-    # -- internals: promotion -------------------------------------------------------------
-
-    def _reserve_slot_locked(self, key: BlockKey, size: int) -> HostEntry | None:
-        """An owner-less reservation for a promotion, making room if needed; None if no room."""
-        if self._host.allocator.rounded(size) > self._host.capacity:
-            return None
-        entry = self._host.reserve(key, size, None)
-        while entry is None:
-            if not self._make_room_locked(size):
-                return None
-            entry = self._host.reserve(key, size, None)
-        return entry
-
-    def _promote_from_gpu_locked(self, key: BlockKey, owner: Hashable | None) -> Location | None:
-        size = self._gpu.size_of(key)
-        if size is None:
-            self._s_gpu.misses += 1
-            return None
-        slot = self._reserve_slot_locked(key, size)
-        if slot is None:
-            self._s_gpu.misses += 1
-            return None
-        c = self._gpu.take_into(key, self.arena.buf[slot.offset : slot.offset + size])
-        self._host.commit(slot, c, pin_owner=owner, pinned=True)
-        self._s_gpu.hits += 1
-        self._s_gpu.bytes_out += size
-        self._s_host.promotions += 1
-        self._s_host.bytes_in += size
-        self._s_host.bytes_out += size
-        return Location(slot.offset, size)
-
-    def _promote_from_ssd(self, slots: list[tuple[int, HostEntry, int]],
-                          out: list[Location | None], owner: Hashable | None) -> None:
-        buf = self.arena.buf
-        ok = [self._ssd.read_into(e.key, buf[e.offset : e.offset + e.size]) for _, e, _ in slots]
-        with self._lock:
-            for (i, e, c), good in zip(slots, ok):
-                if not good:
-                    self._host.abort(e)
-                    self._s_ssd.misses += 1
-                    continue
-                e.on_ssd = True
-                self._host.commit(e, c, pin_owner=owner, pinned=True)
-                out[i] = Location(e.offset, e.size)
-                self._s_ssd.hits += 1
-                self._s_ssd.bytes_out += e.size
-                self._s_host.promotions += 1
-                self._s_host.bytes_in += e.size
-                self._s_host.bytes_out += e.size
-            pressure = self._host.used_bytes > self._high
-        if pressure:
-            self._relieve_pressure()
-
-    # -- internals: demotion and eviction -------------------------------------------------
-
-    def _take_victims_locked(self, nbytes: int) -> list[HostEntry]:
-        """Pop LRU entries totalling at least ``nbytes`` (at least one if any)."""
-        victims: list[HostEntry] = []
-        taken = 0
-        while taken < nbytes or not victims:
-            e = self._host.pop_lru()
-            if e is None:
-                break
-            victims.append(e)
-            taken += e.size
-        return victims
-
-    def _make_room_locked(self, size: int) -> bool:
-        """Synchronously demote/evict LRU blocks worth ``size`` bytes; False if none is evictable."""
-        victims = self._take_victims_locked(size)
-        if not victims:
-            return False
-        written = self._write_lower(victims)
-        for e in victims:
-            self._host.remove(e)
-        self._account(victims, written)
-        return True
-
-    def _relieve_pressure(self) -> None:
-        """Demote (or evict) LRU blocks until host occupancy is at most the low watermark."""
-        with self._lock:
-            if self._spilling or self._closed:
-                return
-            self._spilling = True
-        try:
-            while True:
-                with self._lock:
-                    excess = self._host.used_bytes - self._low
-                    if excess <= 0 or self._closed:
-                        return
-                    victims = self._take_victims_locked(min(excess, _DEMOTE_CHUNK))
-                    if not victims:
-                        return
-                    if self._ssd is None or self._gpu is not None:
-                        # no I/O worth leaving the lock for: evict or copy to GPU in place
-                        written = self._write_lower(victims)
-                        for e in victims:
-                            self._host.remove(e)
-                        self._account(victims, written)
-                        continue
-                    for e in victims:
-                        self._host.pin(e, None)  # the store's own pin: readers may still pin
-                written = self._write_lower(victims)
-                with self._lock:
-                    for e in victims:
-                        if written.ok:
-                            e.on_ssd = True
-                        doomed = e.doomed
-                        self._host.release_and_free(e)
-                        if doomed and written.ok:
-                            self._ssd.delete([e.key])
-                    self._account(victims, written)
-        finally:
-            with self._lock:
-                self._spilling = False
-
-    def _write_lower(self, victims: list[HostEntry]) -> _Written:
-        """Copy victims (pinned or out of the LRU, hence stable) to the tiers below.
-
-        ``ok``: they now live in a lower tier (else they are to be evicted). The GPU part runs
-        under the lock (its callers hold it); the SSD part may run without it, so counters are
-        returned and applied under the lock by ``_account``.
-        """
-        w = _Written(ok=self._ssd is not None or self._gpu is not None)
-        if not w.ok:
-            return w
-        buf = self.arena.buf
-        down: list[tuple[BlockKey, int, memoryview | bytes]] = []
-        for e in victims:
-            if e.on_ssd:
-                continue
-            view = buf[e.offset : e.offset + e.size]
-            if self._gpu is not None:
-                spilled = self._gpu.put(e.key, e.checksum, view)
-                w.gpu_bytes += e.size
-                w.gpu_spilled += len(spilled)
-                down.extend(spilled)
-            else:
-                down.append((e.key, e.checksum, view))
-        if self._ssd is None or not down:
-            return w
-        try:
-            w.ssd_evicted = len(self._ssd.put_many(down))
-        except lmdb.Error as exc:
-            log.warning("SSD write of %d blocks failed (%s); evicting them instead", len(down), exc)
-            w.ok = False
-            return w
-        w.ssd_bytes = sum(len(b) for _, _, b in down)
-        return w
-
-    def _account(self, victims: list[HostEntry], w: _Written) -> None:
-        if w.ok:
-            self._s_host.demotions += len(victims)
-        else:
-            self._s_host.evictions += len(victims)
-        if self._s_gpu is not None:
-            self._s_gpu.bytes_in += w.gpu_bytes
-            if self._ssd is not None:
-                self._s_gpu.demotions += w.gpu_spilled
-            else:
-                self._s_gpu.evictions += w.gpu_spilled
-        if self._s_ssd is not None:
-            self._s_ssd.bytes_in += w.ssd_bytes
-            self._s_ssd.evictions += w.ssd_evicted
-
-
-@dataclass(slots=True)
-class _Written:
-    """What one ``_write_lower`` did, for the counters."""
-
-    ok: bool
-    gpu_bytes: int = 0
-    gpu_spilled: int = 0
-    ssd_bytes: int = 0
-    ssd_evicted: int = 0
