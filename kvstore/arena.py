@@ -77,8 +77,10 @@ class Arena:
     def create(cls, size: int, name: str | None = None) -> "Arena":
         """Create a new region of ``size`` bytes, owned (unlinked on close) by the caller.
 
-        Raises ``FileExistsError`` if ``name`` is taken: pick another name or remove the stale
-        ``/dev/shm/<name>`` left by a crashed daemon.
+        The caller holds the arena's lock (module doc, "Stale arenas") until ``close``.
+        Raises ``FileExistsError`` if ``name`` is taken: pick another name, or remove the
+        stale ``/dev/shm/<name>`` of a crashed daemon (``kvstore serve`` does that on start
+        for generated names whose owner is dead).
         """
         if size <= 0:
             raise ValueError(f"arena size must be positive, got {size}")
