@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, sample, with_seed
+from engine.sampling import SamplingParams, _filter, _inverse_cdf, row_uniform, sample, with_seed
 
 torch.set_num_threads(1)
 
@@ -117,3 +117,68 @@ def test_cuda_logits_sample_the_same_tokens_as_cpu() -> None:
     positions = list(range(100, 106))
     cpu = sample(logits, params, positions).token_ids
     assert sample(logits.cuda(), params, positions).token_ids == cpu
+
+
+# --- the batched implementation: filters by threshold, inverse CDF over one uniform a row ------
+
+
+def _reference_keep(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The filters by their definition: sort the row, keep the top k, then keep tokens while
+    the mass before them (over what top-k left) is below top_p."""
+    vocab = logits.shape[-1]
+    vals, order = logits.sort(descending=True)
+    keep = torch.arange(vocab) < (top_k if 0 < top_k < vocab else vocab)
+    probs = vals.masked_fill(~keep, float("-inf")).softmax(-1)
+    if top_p < 1.0:  # (1.0 is off: float rounding may take the cumsum to 1.0 early)
+        keep &= (probs.cumsum(-1) - probs) < top_p
+    return torch.zeros(vocab, dtype=torch.bool).scatter(0, order, keep)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (sorts the row) .. peaked (top 64)
+def test_top_k_top_p_keep_exactly_the_defined_sets(scale: float) -> None:
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    vocab = 3000
+    logits = torch.randn(8, vocab, generator=gen) * scale
+    cases = [(0, 0.9), (50, 1.0), (0, 0.5), (700, 0.95), (5, 0.3), (0, 0.999), (600, 1.0), (1, 1.0)]
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()
+    inv_t = torch.ones(8, 1)
+    out = _filter(logits, weights, inv_t, [k for k, _ in cases], [p for _, p in cases])
+    for row, (k, p) in enumerate(cases):
+        ref = _reference_keep(logits[row], k, p)
+        assert torch.equal(~out[row], ref), (row, k, p, int(ref.sum()), int((~out[row]).sum()))
+        assert torch.equal(weights[row] > 0, ref)
+
+
+def test_mixed_batch_rows_sample_as_they_would_alone() -> None:
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3000  # not a multiple of the CDF chunk
+    logits = torch.cat([torch.randn(3, vocab, generator=gen) * 0.5,   # flat: top-p sorts
+                        torch.randn(3, vocab, generator=gen) * 8.0])  # peaked: top 64 suffice
+    params = [seeded(1, top_p=0.9), greedy(), seeded(2, top_k=40, top_p=0.8, logprobs=3),
+              seeded(3, top_k=2000), SamplingParams(temperature=0.7, seed=4), seeded(5, top_p=0.5, logprobs=0)]
+    positions = [5, 6, 7, 8, 9, 10]
+    batch = sample(logits, params, positions)
+    for i in range(6):
+        alone = sample(logits[i : i + 1], [params[i]], [positions[i]])
+        assert alone.token_ids[0] == batch.token_ids[i]
+        assert alone.logprobs[0] == batch.logprobs[i]
+    rev = sample(logits.flip(0), params[::-1], positions[::-1])
+    assert rev.token_ids[::-1] == batch.token_ids
+
+
+def test_inverse_cdf_ends_and_zero_weights() -> None:
+    vocab = 700                                  # three chunks, the last one padded
+    w = torch.zeros(2, vocab)
+    w[0, [3, 300, 650]] = torch.tensor([1.0, 2.0, 1.0])
+    w[1, 511] = 5.0                              # one token: always it
+    for u, want in ((0.0, 3), (0.2499, 3), (0.25, 300), (0.7499, 300), (0.75, 650),
+                    (1.0 - 2.0**-53, 650)):
+        got = _inverse_cdf(w, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert got == [want, 511], (u, got)
+
+
+def test_row_uniform_is_a_pure_function_in_the_unit_interval() -> None:
+    draws = [row_uniform(s, p) for s in range(50) for p in range(50)]
+    assert all(0.0 <= d < 1.0 for d in draws) and len(set(draws)) == len(draws)
+    assert row_uniform(7, 11) == row_uniform(7, 11) != row_uniform(11, 7)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02
