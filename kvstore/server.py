@@ -203,12 +203,11 @@ class _Connection:
 
         The socket is blocking with the I/O timeout in the kernel (``tune_socket``); an idle
         connection waits in ``poll`` instead, waking every ``_IDLE_POLL_S`` to notice
-        ``shutdown()``."""
+        ``shutdown()``. A frame whose first bytes have already arrived is in flight: it is
+        served even when shutdown began meanwhile; only an idle connection is closed."""
         while not self._poller.poll(_IDLE_POLL_S * 1000):
             if self.server._stopping.is_set():
                 return None
-        if self.server._stopping.is_set():
-            return None
         got = self.sock.recv_into(self._hdr, P.HEADER_SIZE)
         if got == 0:
             return None
