@@ -61,7 +61,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.api_types import BlockEvent, LoadFigures, Snapshot, WorkerInfo  # noqa: E402
+from engine.api_types import WorkerInfo  # noqa: E402
+from engine.event_types import BlockEvent, LoadFigures, Snapshot  # noqa: E402
 from kvstore.keys import block_keys, extend_block_keys  # noqa: E402
 from router.kv_index import KvIndex  # noqa: E402
 from router.policy import PrefillPolicy, WorkerLoad  # noqa: E402

@@ -1,4 +1,4 @@
-"""Request, stream and event types of the worker HTTP API (torch-free; shared with the router).
+"""Request and stream types of the worker HTTP API (torch-free; shared with the router).
 
 The wire format is JSON; streams are NDJSON (one object a line). Every type has
 ``to_json() -> dict`` (a JSON-ready dict, exactly what goes on the wire) and
@@ -8,10 +8,8 @@ offending field. Block keys travel as 32-character hex strings and are :class:`B
 - ``POST /generate``: body :class:`GenerateRequest`; answer: NDJSON :class:`GenerateChunk`
   lines, then one :class:`GenerateFinal` (``{"finished": true, ...}``). Use
   :func:`parse_generate_line` to tell them apart.
-- ``GET /events?since=SEQ``: NDJSON :class:`BlockEvent` / :class:`LoadEvent` lines, numbered by
-  one sequence shared by both kinds (:func:`parse_event`). A reader that sees a gap resyncs from
-  ``GET /snapshot`` = :class:`Snapshot`.
 - ``GET /info``: :class:`WorkerInfo` (also the worker's etcd value, see docs/architecture.md).
+- ``GET /events`` and ``GET /snapshot``: their types are in ``engine.event_types``.
 
 A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob], ...]}``
 (``top`` holds the ``sampling.logprobs`` most likely tokens, best first; empty when 0).
@@ -19,11 +17,11 @@ A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.api_fields import (ApiValidationError, json_object, read_bool, read_float, read_int,
+                               read_keys, read_str, read_token_ids)
 from kvstore.keys import BlockKey
 
 __all__ = [
@@ -38,12 +36,6 @@ __all__ = [
     "RequestStats",
     "GenerateFinal",
     "parse_generate_line",
-    "LoadFigures",
-    "BlockEvent",
-    "LoadEvent",
-    "WorkerEvent",
-    "parse_event",
-    "Snapshot",
     "WorkerInfo",
 ]
 
@@ -54,94 +46,6 @@ PHASES: tuple[str, ...] = ("prefill", "decode", "full")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 MAX_LOGPROBS = 20
-
-
-class ApiValidationError(ValueError):
-    """A worker-API message is malformed. ``field`` names the offending field (dotted path)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-# --- field readers: each checks type and range and names the field on failure ---------------
-
-
-def _mapping(obj: Any, name: str) -> Mapping[str, Any]:
-    if not isinstance(obj, Mapping):
-        raise ApiValidationError(name, f"expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _int(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: int | None = None,
-         where: str = "") -> Any:
-    value = obj.get(key, default)
-    if value is ...:
-        raise ApiValidationError(where + key, "is required")
-    if value is None and default is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiValidationError(where + key, f"expected an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ApiValidationError(where + key, f"must be >= {lo}, got {value}")
-    return value
-
-
-def _float(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: float | None = None,
-           hi: float | None = None, where: str = "") -> float:
-    value = obj.get(key, default)
-    if value is ...:
-        raise ApiValidationError(where + key, "is required")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiValidationError(where + key, f"expected a finite number, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ApiValidationError(where + key, f"must be in [{lo}, {hi}], got {value}")
-    return float(value)
-
-
-def _bool(obj: Mapping[str, Any], key: str, default: bool, where: str = "") -> bool:
-    value = obj.get(key, default)
-    if not isinstance(value, bool):
-        raise ApiValidationError(where + key, f"expected true or false, got {value!r}")
-    return value
-
-
-def _str(obj: Mapping[str, Any], key: str, default: Any = ..., *,
-         choices: Sequence[str] | None = None, where: str = "") -> Any:
-    value = obj.get(key, default)
-    if value is ...:
-        raise ApiValidationError(where + key, "is required")
-    if value is None and default is None:
-        return None
-    if not isinstance(value, str):
-        raise ApiValidationError(where + key, f"expected a string, got {value!r}")
-    if choices is not None and value not in choices:
-        raise ApiValidationError(where + key, f"must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _token_ids(obj: Mapping[str, Any], key: str, default: Any = ..., where: str = "") -> list[int]:
-    value = obj.get(key, default)
-    if value is ...:
-        raise ApiValidationError(where + key, "is required")
-    if not isinstance(value, list) or not all(
-        type(t) is int and 0 <= t < 2**32 for t in value
-    ):
-        raise ApiValidationError(where + key, "expected a list of token ids (integers in [0, 2**32))")
-    return value
-
-
-def _keys(obj: Mapping[str, Any], key: str, where: str = "", *,
-          optional: bool = False) -> list[BlockKey] | None:
-    value = obj.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, list):
-        raise ApiValidationError(where + key, "expected a list of hex block keys")
-    try:
-        return [BlockKey.from_hex(k) for k in value]
-    except (TypeError, ValueError) as exc:
-        raise ApiValidationError(where + key, f"bad block key: {exc}") from None
 
 
 # --- POST /generate --------------------------------------------------------------------------
@@ -180,19 +84,19 @@ class SamplingParams:
     @classmethod
     def from_json(cls, obj: Any) -> SamplingParams:
         w = "sampling."
-        obj = _mapping(obj, "sampling")
-        logprobs = _int(obj, "logprobs", None, lo=0, where=w)
+        obj = json_object(obj, "sampling")
+        logprobs = read_int(obj, "logprobs", None, lo=0, where=w)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ApiValidationError(w + "logprobs", f"must be <= {MAX_LOGPROBS}, got {logprobs}")
         params = object.__new__(cls)
         for name, value in (
-            ("max_tokens", _int(obj, "max_tokens", 16, lo=1, where=w)),
-            ("temperature", _float(obj, "temperature", 1.0, lo=0.0, where=w)),
-            ("top_p", _float(obj, "top_p", 1.0, lo=0.0, hi=1.0, where=w)),
-            ("top_k", _int(obj, "top_k", 0, lo=0, where=w)),
-            ("seed", _int(obj, "seed", None, where=w)),
-            ("stop_token_ids", tuple(_token_ids(obj, "stop_token_ids", [], where=w))),
-            ("ignore_eos", _bool(obj, "ignore_eos", False, where=w)),
+            ("max_tokens", read_int(obj, "max_tokens", 16, lo=1, where=w)),
+            ("temperature", read_float(obj, "temperature", 1.0, lo=0.0, where=w)),
+            ("top_p", read_float(obj, "top_p", 1.0, lo=0.0, hi=1.0, where=w)),
+            ("top_k", read_int(obj, "top_k", 0, lo=0, where=w)),
+            ("seed", read_int(obj, "seed", None, where=w)),
+            ("stop_token_ids", tuple(read_token_ids(obj, "stop_token_ids", [], where=w))),
+            ("ignore_eos", read_bool(obj, "ignore_eos", False, where=w)),
             ("logprobs", logprobs),
         ):
             object.__setattr__(params, name, value)
@@ -231,21 +135,21 @@ class GenerateRequest:
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateRequest:
-        obj = _mapping(obj, "body")
-        request_id = _str(obj, "request_id")
+        obj = json_object(obj, "body")
+        request_id = read_str(obj, "request_id")
         if not request_id:
             raise ApiValidationError("request_id", "must not be empty")
-        prompt = _token_ids(obj, "prompt_token_ids")
+        prompt = read_token_ids(obj, "prompt_token_ids")
         if not prompt:
             raise ApiValidationError("prompt_token_ids", "must not be empty")
         return cls(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=SamplingParams.from_json(obj.get("sampling", {})),
-            output_token_ids=_token_ids(obj, "output_token_ids", []),
-            cache_salt=_str(obj, "cache_salt", None),
-            phase=_str(obj, "phase", "full", choices=PHASES),
-            block_keys=_keys(obj, "block_keys", optional=True),
+            output_token_ids=read_token_ids(obj, "output_token_ids", []),
+            cache_salt=read_str(obj, "cache_salt", None),
+            phase=read_str(obj, "phase", "full", choices=PHASES),
+            block_keys=read_keys(obj, "block_keys", optional=True),
         )
 
 
@@ -261,7 +165,7 @@ class TokenLogprob:
 
     @classmethod
     def from_json(cls, obj: Any) -> TokenLogprob:
-        obj = _mapping(obj, "logprobs[]")
+        obj = json_object(obj, "logprobs[]")
         lp = obj.get("logprob")
         if isinstance(lp, bool) or not isinstance(lp, (int, float)):
             raise ApiValidationError("logprobs[].logprob", f"expected a number, got {lp!r}")
@@ -287,8 +191,8 @@ class GenerateChunk:
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateChunk:
-        obj = _mapping(obj, "chunk")
-        ids = _token_ids(obj, "token_ids")
+        obj = json_object(obj, "chunk")
+        ids = read_token_ids(obj, "token_ids")
         raw = obj.get("logprobs")
         if raw is None:
             return cls(ids)
@@ -322,9 +226,9 @@ class RequestStats:
 
     @classmethod
     def from_json(cls, obj: Any) -> RequestStats:
-        obj = _mapping(obj, "stats")
-        kwargs: dict[str, Any] = {n: _int(obj, n, 0, lo=0, where="stats.") for n in _STAT_INTS}
-        kwargs.update({n: _float(obj, n, 0.0, lo=0.0, where="stats.") for n in _STAT_FLOATS})
+        obj = json_object(obj, "stats")
+        kwargs: dict[str, Any] = {n: read_int(obj, n, 0, lo=0, where="stats.") for n in _STAT_INTS}
+        kwargs.update({n: read_float(obj, n, 0.0, lo=0.0, where="stats.") for n in _STAT_FLOATS})
         return cls(**kwargs)
 
 
@@ -348,105 +252,18 @@ class GenerateFinal:
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateFinal:
-        obj = _mapping(obj, "final")
+        obj = json_object(obj, "final")
         return cls(
-            finish_reason=_str(obj, "finish_reason", choices=FINISH_REASONS),
+            finish_reason=read_str(obj, "finish_reason", choices=FINISH_REASONS),
             stats=RequestStats.from_json(obj.get("stats", {})),
-            block_keys=_keys(obj, "block_keys", optional=True),
+            block_keys=read_keys(obj, "block_keys", optional=True),
         )
 
 
 def parse_generate_line(obj: Any) -> GenerateChunk | GenerateFinal:
     """One decoded NDJSON line of a ``/generate`` stream."""
-    obj = _mapping(obj, "line")
+    obj = json_object(obj, "line")
     return GenerateFinal.from_json(obj) if obj.get("finished") else GenerateChunk.from_json(obj)
-
-
-# --- GET /events, GET /snapshot --------------------------------------------------------------
-
-_LOAD_INTS = ("waiting", "running", "kv_free_blocks", "kv_total_blocks")
-_LOAD_RATES = ("prefill_tokens_per_s", "load_tokens_per_s", "decode_tokens_per_s")
-
-
-@dataclass(frozen=True, slots=True)
-class LoadFigures:
-    """A worker's load. Rates are the worker's recent measurements; 0.0 means "not measured
-    yet" (no prefill, store load or decode has happened), not "infinitely slow"."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_free_blocks: int = 0
-    kv_total_blocks: int = 0
-    prefill_tokens_per_s: float = 0.0
-    load_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _LOAD_INTS + _LOAD_RATES}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str = "load.") -> LoadFigures:
-        obj = _mapping(obj, where.rstrip("."))
-        kwargs: dict[str, Any] = {n: _int(obj, n, 0, lo=0, where=where) for n in _LOAD_INTS}
-        kwargs.update({n: _float(obj, n, 0.0, lo=0.0, where=where) for n in _LOAD_RATES})
-        return cls(**kwargs)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockEvent:
-    """Blocks entered (``stored``) or left (``removed``) the worker's device cache."""
-
-    seq: int
-    type: Literal["stored", "removed"]
-    keys: tuple[BlockKey, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "type": self.type, "keys": [k.hex() for k in self.keys]}
-
-
-@dataclass(frozen=True, slots=True)
-class LoadEvent:
-    """A load report; it takes a sequence number like the block events."""
-
-    seq: int
-    load: LoadFigures
-
-    type: Literal["load"] = "load"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "type": "load", **self.load.to_json()}
-
-
-WorkerEvent = BlockEvent | LoadEvent
-
-
-def parse_event(obj: Any) -> WorkerEvent:
-    """One decoded NDJSON line of ``GET /events``."""
-    obj = _mapping(obj, "event")
-    seq = _int(obj, "seq", lo=0)
-    kind = _str(obj, "type", choices=("stored", "removed", "load"))
-    if kind == "load":
-        return LoadEvent(seq, LoadFigures.from_json(obj, where=""))
-    return BlockEvent(seq, kind, tuple(_keys(obj, "keys")))
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """``GET /snapshot``: every block in the device cache and the load as of event ``seq``;
-    the events that follow it start at ``seq + 1``."""
-
-    seq: int
-    blocks: tuple[BlockKey, ...]
-    load: LoadFigures
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "blocks": [k.hex() for k in self.blocks], "load": self.load.to_json()}
-
-    @classmethod
-    def from_json(cls, obj: Any) -> Snapshot:
-        obj = _mapping(obj, "snapshot")
-        return cls(_int(obj, "seq", lo=0), tuple(_keys(obj, "blocks")),
-                   LoadFigures.from_json(obj.get("load", {})))
 
 
 # --- GET /info (and the worker's etcd value) -------------------------------------------------
@@ -476,21 +293,21 @@ class WorkerInfo:
     @classmethod
     def from_json(cls, obj: Any, worker_id: str | None = None) -> WorkerInfo:
         """Parse ``/info`` or an etcd value (pass ``worker_id`` from the key then)."""
-        obj = _mapping(obj, "worker")
-        wid = worker_id if worker_id is not None else _str(obj, "worker_id")
+        obj = json_object(obj, "worker")
+        wid = worker_id if worker_id is not None else read_str(obj, "worker_id")
         try:
-            namespace = BlockKey.from_hex(_str(obj, "namespace"))
+            namespace = BlockKey.from_hex(read_str(obj, "namespace"))
         except ValueError as exc:
             raise ApiValidationError("namespace", f"expected 32 hex digits: {exc}") from None
-        address = _str(obj, "address")
+        address = read_str(obj, "address")
         if not address.startswith(("http://", "https://")):
             address = "http://" + address
         return cls(
             worker_id=wid, address=address.rstrip("/"),
-            role=_str(obj, "role", choices=WORKER_ROLES), model=_str(obj, "model"),
-            namespace=namespace, block_size=_int(obj, "block_size", lo=1),
-            kv_capacity_blocks=_int(obj, "kv_capacity_blocks", lo=0),
-            max_model_len=_int(obj, "max_model_len", lo=1),
+            role=read_str(obj, "role", choices=WORKER_ROLES), model=read_str(obj, "model"),
+            namespace=namespace, block_size=read_int(obj, "block_size", lo=1),
+            kv_capacity_blocks=read_int(obj, "kv_capacity_blocks", lo=0),
+            max_model_len=read_int(obj, "max_model_len", lo=1),
         )
 
     @property

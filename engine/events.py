@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Literal
 
-from engine.api_types import BlockEvent, LoadEvent, LoadFigures, Snapshot, WorkerEvent
+from engine.event_types import BlockEvent, LoadEvent, LoadFigures, Snapshot, WorkerEvent
 from kvstore.keys import BlockKey
 
 __all__ = ["EventStream", "RateMeter"]

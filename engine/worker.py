@@ -36,8 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api_types import (GenerateChunk, GenerateFinal, GenerateRequest, LoadFigures,
-                              RequestStats)
+from engine.api_types import GenerateChunk, GenerateFinal, GenerateRequest, RequestStats
+from engine.event_types import LoadFigures
 from engine.connector import KVStoreConnector, LoadResult, SaveResult
 from engine.events import EventStream, RateMeter
 from engine.llm_engine import BlockKeyMismatch

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import groupby, repeat
 
-from engine.api_types import BlockEvent, LoadEvent, Snapshot, WorkerEvent
+from engine.event_types import BlockEvent, LoadEvent, Snapshot, WorkerEvent
 
 __all__ = ["KvIndex"]
 

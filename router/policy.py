@@ -57,7 +57,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.api_types import LoadFigures, RequestStats, WorkerInfo
+from engine.api_types import RequestStats, WorkerInfo
+from engine.event_types import LoadFigures
 from router.kv_index import KvIndex
 
 __all__ = [

@@ -35,13 +35,15 @@ from engine.api_types import (
     GenerateChunk,
     GenerateFinal,
     GenerateRequest,
+    WorkerInfo,
+    parse_generate_line,
+)
+from engine.event_types import (
     LoadEvent,
     LoadFigures,
     Snapshot,
     WorkerEvent,
-    WorkerInfo,
     parse_event,
-    parse_generate_line,
 )
 from router.kv_index import KvIndex
 

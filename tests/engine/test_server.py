@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from engine.api_types import LoadFigures, Snapshot, parse_event
+from engine.event_types import LoadFigures, Snapshot, parse_event
 from engine.events import EventStream, RateMeter
 from kvstore.keys import BlockKey, block_keys
 

@@ -12,14 +12,16 @@ from typing import Any
 from aiohttp import web
 
 from engine.api_types import (
-    BlockEvent,
     GenerateFinal,
     GenerateRequest,
+    RequestStats,
+    WorkerInfo,
+)
+from engine.event_types import (
+    BlockEvent,
     LoadEvent,
     LoadFigures,
-    RequestStats,
     Snapshot,
-    WorkerInfo,
 )
 
 NS = bytes(16)

@@ -27,8 +27,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api_types import (GenerateFinal, GenerateRequest, LoadFigures, RequestStats,
-                              SamplingParams, WorkerInfo)
+from engine.api_types import (GenerateFinal, GenerateRequest, RequestStats, SamplingParams,
+                              WorkerInfo)
+from engine.event_types import LoadFigures
 from engine.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.failover import pick_decode, with_room

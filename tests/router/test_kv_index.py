@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.api_types import BlockEvent, LoadEvent, LoadFigures, Snapshot
+from engine.event_types import BlockEvent, LoadEvent, LoadFigures, Snapshot
 from kvstore.keys import block_keys
 from router.kv_index import KvIndex
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api_types import LoadFigures, RequestStats, Snapshot, WorkerInfo
+from engine.api_types import RequestStats, WorkerInfo
+from engine.event_types import LoadFigures, Snapshot
 from kvstore.keys import block_keys
 from router.kv_index import KvIndex
 from router.policy import (

@@ -9,7 +9,7 @@ import sys
 def test_router_does_not_import_torch() -> None:
     code = (
         "import sys, router, router.app, router.orchestrator, router.worker_pool, "
-        "engine.tokenizer, engine.api_types\n"
+        "engine.tokenizer, engine.api_types, engine.event_types\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
         "assert not bad, bad\n"
     )

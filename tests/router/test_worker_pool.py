@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine.api_types import GenerateFinal, GenerateRequest, LoadFigures, SamplingParams
+from engine.api_types import GenerateFinal, GenerateRequest, SamplingParams
+from engine.event_types import LoadFigures
 from kvstore.keys import block_keys
 from router.worker_client import WorkerClient, WorkerRejected, WorkerUnavailable
 from router.worker_pool import StaticMembership, WorkerPool
