@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 from kvstore.keys import BlockKey
 
 __all__ = [
     "ApiValidationError", "json_object", "read_int", "read_float", "read_bool", "read_str",
-    "read_token_ids", "read_keys",
+    "read_token_ids", "read_keys", "read_figures",
 ]
 
 
@@ -105,3 +106,12 @@ def read_keys(obj: Mapping[str, Any], key: str, where: str = "", *,
     except (TypeError, ValueError) as exc:
         raise ApiValidationError(where + key, f"bad block key: {exc}") from None
 
+
+def read_figures(cls: type, obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The keyword arguments of ``cls``, a dataclass of non-negative figures: each field is
+    read as an integer or as a number after its default (``0`` or ``0.0``), its default too."""
+    return {
+        f.name: read_int(obj, f.name, f.default, lo=0, where=where) if type(f.default) is int
+        else read_float(obj, f.name, f.default, lo=0.0, where=where)
+        for f in fields(cls)
+    }

@@ -17,11 +17,11 @@ A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from engine.api_fields import (ApiValidationError, json_object, read_bool, read_float, read_int,
-                               read_keys, read_str, read_token_ids)
+from engine.api_fields import (ApiValidationError, json_object, read_bool, read_figures, read_float,
+                               read_int, read_keys, read_str, read_token_ids)
 from kvstore.keys import BlockKey
 
 __all__ = [
@@ -201,11 +201,6 @@ class GenerateChunk:
         return cls(ids, [TokenLogprob.from_json(x) for x in raw])
 
 
-_STAT_INTS = ("computed_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
-              "kv_bytes_loaded", "kv_bytes_saved")
-_STAT_FLOATS = ("store_load_s", "store_save_s", "queue_s", "prefill_s", "first_token_s")
-
-
 @dataclass(slots=True)
 class RequestStats:
     """Per-request figures a worker reports in its final line (seconds and bytes)."""
@@ -222,14 +217,11 @@ class RequestStats:
     first_token_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _STAT_INTS + _STAT_FLOATS}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, obj: Any) -> RequestStats:
-        obj = json_object(obj, "stats")
-        kwargs: dict[str, Any] = {n: read_int(obj, n, 0, lo=0, where="stats.") for n in _STAT_INTS}
-        kwargs.update({n: read_float(obj, n, 0.0, lo=0.0, where="stats.") for n in _STAT_FLOATS})
-        return cls(**kwargs)
+        return cls(**read_figures(cls, json_object(obj, "stats"), "stats."))
 
 
 @dataclass(slots=True)

@@ -11,17 +11,13 @@ Wire conventions as in ``engine.api_types`` (``to_json``/``from_json``, hex bloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from engine.api_fields import json_object, read_float, read_int, read_keys, read_str
+from engine.api_fields import json_object, read_figures, read_int, read_keys, read_str
 from kvstore.keys import BlockKey
 
 __all__ = ["LoadFigures", "BlockEvent", "LoadEvent", "WorkerEvent", "parse_event", "Snapshot"]
-
-
-_LOAD_INTS = ("waiting", "running", "kv_free_blocks", "kv_total_blocks")
-_LOAD_RATES = ("prefill_tokens_per_s", "load_tokens_per_s", "decode_tokens_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +34,11 @@ class LoadFigures:
     decode_tokens_per_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _LOAD_INTS + _LOAD_RATES}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "load.") -> LoadFigures:
-        obj = json_object(obj, where.rstrip("."))
-        kwargs: dict[str, Any] = {n: read_int(obj, n, 0, lo=0, where=where) for n in _LOAD_INTS}
-        kwargs.update({n: read_float(obj, n, 0.0, lo=0.0, where=where) for n in _LOAD_RATES})
-        return cls(**kwargs)
+        return cls(**read_figures(cls, json_object(obj, where.rstrip(".")), where))
 
 
 @dataclass(frozen=True, slots=True)
