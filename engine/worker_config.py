@@ -8,7 +8,7 @@ directly. The engine's own knobs are passed through as an ``EngineConfig``
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from engine.api_types import WORKER_ROLES, WorkerRole
@@ -51,15 +51,16 @@ class WorkerConfig:
     store: str | None = None
     etcd: str | None = None
     cluster: str = "kvstore"
-    num_blocks: int = 512
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    dtype: str | None = None
-    device: str | None = None
+    # The engine's share: passed through as an EngineConfig, whose defaults these are.
+    num_blocks: int = EngineConfig.num_blocks
+    block_size: int = EngineConfig.block_size
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineConfig.enable_chunked_prefill
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    max_model_len: int | None = EngineConfig.max_model_len
+    dtype: str | None = EngineConfig.dtype
+    device: str | None = EngineConfig.device
     threads: int | None = None
     save_all: bool | None = None
     load_interval_s: float = 0.5
@@ -93,14 +94,4 @@ class WorkerConfig:
         return self.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
