@@ -24,6 +24,20 @@ from benchmarks.metrics_calc import RequestResult  # noqa: E402
 __all__ = ["plot_cdfs", "plot_latency_vs_rate", "plot_goodput_vs_rate", "plot_attainment_vs_slo_scale"]
 
 
+def _save(fig: Any, path: Path, title: str) -> None:
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _attainment_axis(ax: Any) -> None:
+    """Attainment in percent, with the 90% line."""
+    ax.axhline(90, color="grey", linestyle=":", label="90%")
+    ax.set_ylabel("requests meeting both objectives (%)")
+    ax.set_ylim(0, 102)
+
+
 def _cdf(ax: Any, values: Sequence[float], label: str, slo: float | None = None) -> None:
     xs = np.sort(np.asarray(values, dtype=float) * 1e3)
     if xs.size:
@@ -44,10 +58,7 @@ def plot_cdfs(results: Sequence[RequestResult], path: Path, title: str,
     _cdf(axes[0], [r.ttft_s for r in ok], "TTFT", slo[0] if slo else None)
     _cdf(axes[1], [r.tpot_s for r in ok if r.tpot_s is not None], "TPOT", slo[1] if slo else None)
     _cdf(axes[2], [x for r in ok for x in r.itl_s], "ITL")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 Curves = Mapping[str, Sequence[Mapping[str, Any]]]  # configuration -> its sweep points
@@ -75,10 +86,7 @@ def plot_latency_vs_rate(curves: Curves, path: Path, title: str,
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def plot_goodput_vs_rate(curves: Curves, path: Path, title: str) -> None:
@@ -90,17 +98,12 @@ def plot_goodput_vs_rate(curves: Curves, path: Path, title: str) -> None:
     top = max((p["rate"] for pts in curves.values() for p in pts), default=1.0)
     axes[0].plot([0, top], [0, top], color="grey", linestyle=":", label="offered rate")
     axes[0].set_ylabel("goodput (req/s meeting both objectives)")
-    axes[1].axhline(90, color="grey", linestyle=":", label="90%")
-    axes[1].set_ylabel("requests meeting both objectives (%)")
-    axes[1].set_ylim(0, 102)
+    _attainment_axis(axes[1])
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 def plot_attainment_vs_slo_scale(curves: Mapping[str, tuple[float, Sequence[float], Sequence[float]]],
@@ -109,14 +112,9 @@ def plot_attainment_vs_slo_scale(curves: Mapping[str, tuple[float, Sequence[floa
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for i, (name, (rate, scales, att)) in enumerate(curves.items()):
         ax.plot(scales, [100 * a for a in att], "o-", color=f"C{i}", label=f"{name} @ {rate:g} req/s")
-    ax.axhline(90, color="grey", linestyle=":", label="90%")
+    _attainment_axis(ax)
     ax.axvline(1.0, color="grey", linestyle="--", alpha=0.5)
     ax.set_xlabel("SLO scale (x the objectives)")
-    ax.set_ylabel("requests meeting both objectives (%)")
-    ax.set_ylim(0, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
