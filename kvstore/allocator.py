@@ -94,10 +94,6 @@ class Allocator:
         self._add_free(start, end - start)
 
     @property
-    def free_bytes(self) -> int:
-        return self.capacity - self.used_bytes
-
-    @property
     def largest_free(self) -> int:
         """Bytes of the largest free extent (0 when full)."""
         return self._lengths[-1] << self._shift if self._lengths else 0

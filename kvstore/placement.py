@@ -71,7 +71,3 @@ class Placement:
         scored = _weights(bytes(key), self._encoded)
         scored.sort(reverse=True)
         return [node for _, node in scored]
-
-    def rankings(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """``ranking`` of every key in ``keys``."""
-        return [self.ranking(k) for k in keys]

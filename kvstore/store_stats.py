@@ -16,7 +16,7 @@ Definitions (every counter only grows; occupancy fields are a snapshot):
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 __all__ = ["TierStats", "StoreStats"]
 
@@ -59,6 +59,3 @@ class StoreStats:
         """The configured tiers by name: ``host``, then ``gpu``, ``ssd`` where present."""
         return {name: t for name, t in (("host", self.host), ("gpu", self.gpu), ("ssd", self.ssd))
                 if t is not None}
-
-    def as_dict(self) -> dict:
-        return asdict(self)

@@ -80,9 +80,6 @@ class RequestRecord:
             return
         self.timeline[event] = round(time.monotonic() - self._t0, 6)
 
-    def since_arrival(self) -> float:
-        return time.monotonic() - self._t0
-
     def add_phase(self, phase: PhaseStats) -> None:
         self.phases.append(phase)
 

@@ -120,11 +120,6 @@ class WorkerClient:
             log.info("abort %s failed: %s", request_id, exc)
             return False
 
-    async def info_now(self) -> WorkerInfo:
-        """``GET /info``."""
-        with self._failures("info"):
-            return WorkerInfo.from_json(await self._get_json("/info"))
-
     async def snapshot(self) -> Snapshot:
         """``GET /snapshot``."""
         with self._failures("snapshot"):
