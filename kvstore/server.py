@@ -324,19 +324,16 @@ class _Connection:
         except StoreFull:
             self._drain(total)
             raise
-        mine = [k for k, r in zip(keys, res) if r is not None]
-        for k, r, s in zip(keys, res, sizes):
-            if r is not None:
-                self.reserved[k] = s
+        # The reservations are this connection's (owner=self): if the frame breaks off, the
+        # connection's end aborts them. ``self.reserved`` tracks only RESERVE's, which the
+        # client commits or aborts in later frames.
         buf = arena.buf
         for r, s in zip(res, sizes):
             if r is None:
                 self._drain(s)
             else:
                 P.recv_exact(self.sock, buf[r.offset: r.offset + s])
-        self.store.commit(mine)
-        for k in mine:
-            del self.reserved[k]
+        self.store.commit([k for k, r in zip(keys, res) if r is not None])
         self._count("in", "tcp", total)
         self._reply(h, bytes(1 if r is not None else 0 for r in res))
 
