@@ -60,12 +60,20 @@ def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
-def _pinned(keys, meta) -> tuple[list[int], list[int], list]:
-    """A PIN response as (offsets, sizes, the keys that were pinned)."""
+@contextmanager
+def _pinned(conn: Connection, keys) -> Iterator[tuple[list[int], list[int]]]:
+    """PIN ``keys`` for the block: (offsets, sizes) in the arena, ``P.MISSING`` for absent
+    keys; the pinned ones are unpinned (one-way) on the way out, however it is left."""
+    _, meta = conn.exchange(P.Op.PIN, P.pack_keys(keys))
     n = len(keys)
     arr = np.frombuffer(meta, "<u8")
     offsets, sizes = arr[:n].tolist(), arr[n:].tolist()
-    return offsets, sizes, [k for k, s in zip(keys, sizes) if s != P.MISSING]
+    try:
+        yield offsets, sizes
+    finally:
+        pinned = [k for k, s in zip(keys, sizes) if s != P.MISSING]
+        if pinned:
+            conn.send_oneway(P.Op.UNPIN, P.pack_keys(pinned))
 
 
 class Client:
@@ -246,10 +254,8 @@ class Client:
         return [s != P.MISSING for s in sizes]
 
     def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        _, meta = conn.exchange(P.Op.PIN, P.pack_keys(keys))
-        offsets, sizes, pinned = _pinned(keys, meta)
         arena = conn.arena_np
-        try:
+        with _pinned(conn, keys) as (offsets, sizes):
             for i, (d, off, s) in enumerate(zip(dests, offsets, sizes)):
                 if s == P.MISSING:
                     continue
@@ -258,20 +264,12 @@ class Client:
                 np.copyto(d.array[:s], arena[off: off + s])
                 if d.staged:
                     d.finish(s)
-        finally:
-            if pinned:
-                conn.send_oneway(P.Op.UNPIN, P.pack_keys(pinned))
         return [s != P.MISSING for s in sizes]
 
     def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:
-        _, meta = conn.exchange(P.Op.PIN, P.pack_keys(keys))
-        offsets, sizes, pinned = _pinned(keys, meta)
-        try:
+        with _pinned(conn, keys) as (offsets, sizes):
             return [None if s == P.MISSING else conn.arena.buf[off: off + s].tobytes()
                     for off, s in zip(offsets, sizes)]
-        finally:
-            if pinned:
-                conn.send_oneway(P.Op.UNPIN, P.pack_keys(pinned))
 
     # --- connection ------------------------------------------------------------------------
 
