@@ -245,11 +245,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--parts", default="mixed,mixed_quiet,trace,multi_turn,long_hit")
     p.add_argument("--port", type=int, default=8390)
+    p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
+                   "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = args.parts.split(",")
-    plan = [x for x in parts(args.quick) if x[1] in wanted]
+    plan = [(part, label, f"{flags} {args.mixed_extra}".strip() if part == "mixed" else flags)  # later flags win
+            for part, label, flags in parts(args.quick) if label in wanted]
     results: dict[str, Any] = {}
     slos: dict[str, dict[str, float]] = {}
     t0 = time.time()

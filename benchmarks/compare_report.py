@@ -30,6 +30,37 @@ def _points(out: Path, config: str, part: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+SCALES = (1.0, 2.0, 3.0)
+
+
+def _at_scales(out: Path, config: str, part: str, point: dict[str, Any]) -> list[float] | None:
+    """Attainment with both objectives times each of ``SCALES``, from the point's requests."""
+    from benchmarks.metrics_calc import RequestResult, Slo, attainment_at_scales
+
+    path = out / config / part / "requests" / f"{config}_r{point['rate']:g}.jsonl"
+    if not path.exists() or not point.get("slo"):
+        return None
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    results = [RequestResult(**{k: v for k, v in r.items() if k != "tpot_s"}) for r in rows]
+    return attainment_at_scales(results, Slo(**point["slo"]), SCALES)
+
+
+def _paired(out: Path, config: str, rate: float) -> dict[str, Any] | None:
+    """Each short request's TPOT with the huge prefills over its own TPOT without them (same
+    id, prompt and send time in both runs): median and max of the ratio."""
+    runs = []
+    for part in ("mixed", "mixed_quiet"):
+        path = out / config / part / "requests" / f"{config}_r{rate:g}.jsonl"
+        if not path.exists():
+            return None
+        runs.append({r["request_id"]: r for r in map(json.loads, path.read_text().splitlines())
+                     if r["tag"] == "short" and r.get("tpot_s")})
+    ratios = sorted(runs[0][k]["tpot_s"] / runs[1][k]["tpot_s"] for k in runs[0].keys() & runs[1].keys())
+    if not ratios:
+        return None
+    return {"pairs": len(ratios), "median": ratios[len(ratios) // 2], "max": ratios[-1]}
+
+
 def _stat(summary: dict[str, Any] | None, metric: str, q: str) -> float | None:
     d = (summary or {}).get(metric)
     return None if d is None else d[q]
@@ -71,6 +102,7 @@ def collect(out: Path) -> dict[str, Any]:
                           "short_requests": (ms.get("issued"), qs.get("issued")),
                           "long_requests": (m["by_tag"].get("long") or {}).get("issued", 0),
                           "attainment_mixed": m["summary"]["attainment"]}
+            f["mixed"]["paired"] = _paired(out, name, m["rate"])
             a, b = f["mixed"]["short_tpot_p99_mixed_s"], f["mixed"]["short_tpot_p99_quiet_s"]
             f["mixed"]["interference"] = a / b if a and b else None
         for part in ("trace", "trace_salted", "multi_turn"):
@@ -86,6 +118,7 @@ def collect(out: Path) -> dict[str, Any]:
                                   "ttft_p99_s": _stat(p["summary"], "ttft_s", "p99"),
                                   "tpot_p50_s": _stat(p["summary"], "tpot_s", "p50"),
                                   "tpot_p99_s": _stat(p["summary"], "tpot_s", "p99"),
+                                  "attainment_at_1x_2x_3x": _at_scales(out, name, part, p),
                                   "prewarm": p.get("prewarm", {}).get("sent")} for p in pts]}
         if "long_hit" in c:
             f["long_hit"] = c["long_hit"]
@@ -96,17 +129,20 @@ def collect(out: Path) -> dict[str, Any]:
 def tables(fig: dict[str, Any]) -> str:
     cs = fig["configs"]
     lines = ["| configuration | short P99 TPOT quiet (ms) | with huge prefills (ms) | interference | "
-             "short P99 ITL quiet / mixed (ms) | long TTFT p50 (ms) | short / long requests |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "short P99 ITL quiet / mixed (ms) | long TTFT p50 (ms) | short / long requests | "
+             "per-request TPOT ratio median / max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n, f in cs.items():
         m = f.get("mixed")
         if m:
             ratio = "-" if m["interference"] is None else f"{m['interference']:.2f}x"
             lines.append(f"| {n} | {_ms(m['short_tpot_p99_quiet_s'])} | {_ms(m['short_tpot_p99_mixed_s'])} | {ratio} | "
                          f"{_ms(m['short_itl_p99_quiet_s'])} / {_ms(m['short_itl_p99_mixed_s'])} | "
-                         f"{_ms(m['long_ttft_p50_s'])} | {m['short_requests'][1]} / {m['long_requests']} |")
+                         f"{_ms(m['long_ttft_p50_s'])} | {m['short_requests'][1]} / {m['long_requests']} | "
+                         + (f"{m['paired']['median']:.2f} / {m['paired']['max']:.2f}" if m.get("paired") else "-") + " |")
     lines += ["", "| configuration | workload | rate (req/s) | sent | attainment | goodput (req/s) | TTFT p50 / p99 (ms) | "
-              "TPOT p50 / p99 (ms) | max rate at 90% |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "TPOT p50 / p99 (ms) | max rate at 90% | attainment at 1x / 2x / 3x the objectives |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for part in ("trace", "trace_salted", "multi_turn"):
         for n, f in cs.items():
             t = f.get(part)
@@ -116,7 +152,9 @@ def tables(fig: dict[str, Any]) -> str:
             for p in t["curve"]:
                 lines.append(f"| {n} | {part} | {p['rate']:g} | {p['issued']} | {p['attainment']:.0%} | {p['goodput']:.3f} | "
                              f"{_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} | {_ms(p['tpot_p50_s'])} / "
-                             f"{_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} |")
+                             f"{_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} | "
+                             + (" / ".join(f"{a:.0%}" for a in p["attainment_at_1x_2x_3x"]) if p["attainment_at_1x_2x_3x"] else "-")
+                             + " |")
     lines += ["", "| configuration | workload | store hit rate | device hit rate | router TTFT p50 (ms) | "
               "P->D KV bytes p50 / p95 (KiB) | transfer / TTFT p50 / p95 | handoff to decode's first token p50 (ms) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
