@@ -180,7 +180,9 @@ def tables(fig: dict[str, Any]) -> str:
 
 def plot(fig_data: dict[str, Any], path: Path) -> None:
     cs = fig_data["configs"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    has_trace = any(f.get("trace") for f in cs.values())
+    fig, axes = plt.subplots(1, 3 if has_trace else 1, figsize=(15, 4.2) if has_trace else (6, 4.2), squeeze=False)
+    axes = axes[0]
     names = [n for n in cs if cs[n].get("mixed")]
     quiet = [cs[n]["mixed"]["short_tpot_p99_quiet_s"] * 1e3 for n in names]
     mixed = [cs[n]["mixed"]["short_tpot_p99_mixed_s"] * 1e3 for n in names]
@@ -191,9 +193,10 @@ def plot(fig_data: dict[str, Any], path: Path) -> None:
         axes[0].text(x + 0.2, m, f"{m / q:.1f}x", ha="center", va="bottom", fontsize=8)
     axes[0].set_xticks(list(xs), names, fontsize=8)
     axes[0].set_ylabel("P99 TPOT of short requests (ms)")
-    axes[0].set_title("mixed workload: interference", fontsize=9)
+    axes[0].set_title(f"mixed workload at {cs[names[0]]['mixed']['rate']:g} req/s: interference" if names
+                      else "mixed workload", fontsize=9)
     axes[0].legend(fontsize=8)
-    for i, (n, f) in enumerate(cs.items()):
+    for i, (n, f) in enumerate(cs.items() if has_trace else ()):
         for part, style in (("trace", "o-"), ("trace_salted", "x:")):
             t = f.get(part)
             if not t:
@@ -203,17 +206,19 @@ def plot(fig_data: dict[str, Any], path: Path) -> None:
             axes[1].plot(rates, [100 * p["attainment"] for p in t["curve"]], style, color=f"C{i}", label=label)
             axes[2].plot(rates, [(p["ttft_p50_s"] or float("nan")) * 1e3 for p in t["curve"]], style,
                          color=f"C{i}", label=label)
-    axes[1].axhline(90, color="grey", linestyle=":")
-    axes[1].set_ylabel("trace requests meeting both objectives (%)")
-    axes[1].set_ylim(0, 102)
-    axes[2].set_ylabel("trace TTFT p50 (ms)")
-    axes[2].set_yscale("log")
+    if has_trace:
+        axes[1].axhline(90, color="grey", linestyle=":")
+        axes[1].set_ylabel("trace requests meeting both objectives (%)")
+        axes[1].set_ylim(0, 102)
+        axes[2].set_ylabel("trace TTFT p50 (ms)")
+        axes[2].set_yscale("log")
     for ax in axes[1:]:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     m = fig_data["machine"]
-    fig.suptitle(f"SmolLM2-135M fp32, {m['cpu_count']} CPUs ({m['processor']}), trace at 1/32 scale", fontsize=9)
+    fig.suptitle(f"SmolLM2-135M fp32, {m['cpu_count']} CPUs ({m['processor']})"
+                 + (", trace at 1/32 scale" if has_trace else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
