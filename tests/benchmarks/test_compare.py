@@ -1,0 +1,30 @@
+"""benchmarks.compare: the router-log figures and the per-run plan (no processes started)."""
+
+from benchmarks.compare import CONFIGS, log_stats, parts
+
+
+def _record(prompt, out, phases, kv=(0, 0), first=1.0):
+    return {"status": "ok", "prompt_tokens": prompt, "output_tokens": out,
+            "timeline": {"first_token": first, "transfer_start": first, "decode_first": first + 0.1},
+            "tokens": {}, "kv_bytes": {"saved": kv[0], "loaded": kv[1]}, "phases": phases}
+
+
+def test_log_stats_skips_probes_and_one_token_requests_and_uses_the_first_phase():
+    probe = _record(64, 32, [{"phase": "full", "stats": {"store_hit_tokens": 64}}])
+    prewarm = _record(100, 1, [{"phase": "prefill", "stats": {"store_hit_tokens": 100}}])
+    split = _record(100, 8, [
+        {"phase": "prefill", "stats": {"store_hit_tokens": 32, "device_hit_tokens": 16, "store_save_s": 0.1}},
+        {"phase": "decode", "stats": {"store_hit_tokens": 96, "store_load_s": 0.1}}], kv=(1000, 3000), first=2.0)
+    stats = log_stats([probe] * 4 + [prewarm, split], skip=4)
+    assert stats["records"] == 1
+    assert stats["store_hit_rate"] == 0.32 and stats["device_hit_rate"] == 0.16  # decode loads are the handoff
+    assert stats["kv_bytes_p2d_p50"] == 3000 and stats["kv_bytes_moved_p50"] == 4000
+    assert abs(stats["transfer_share_of_ttft_p50"] - 0.1) < 1e-9
+
+
+def test_plan_and_configurations_share_one_budget():
+    assert [p[1] for p in parts(quick=True)] == ["mixed", "mixed_quiet", "trace", "multi_turn"]
+    blocks = {n: sum(int(a.split("=")[-1]) * (2 if "disaggregated" in c["up"] else 1)
+                     for a in c["up"].split() if a.startswith("--worker-arg=--num-blocks="))
+              for n, c in CONFIGS.items()}
+    assert set(blocks.values()) == {512}
