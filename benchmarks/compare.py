@@ -1,7 +1,7 @@
 """Issue 5's comparison: four serving configurations on one CPU budget, every workload, one run.
 
-    python -m benchmarks.compare --quick --out results/compare_quick     # ~10 min on 2 cores
-    python -m benchmarks.compare --out results/compare                    # the fuller run
+    python -m benchmarks.compare --quick --out results/compare_quick     # 15 min on 2 CPUs
+    python -m benchmarks.compare --out results/compare                    # 33 min on 2 CPUs
 
 Configurations (``CONFIGS``), each started with ``kvrouter up`` (CPU sets and threads printed
 in the results), the same total KV memory (512 blocks of 16 tokens):
