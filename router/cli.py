@@ -122,7 +122,8 @@ def _say(line: str) -> None:
 
 def usage_banner(url: str, model: str, api_key: str | None) -> str:
     """The ``curl`` line and ``openai`` snippet printed once the cluster is up."""
-    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
+    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16,
+                       "temperature": 0})
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return "\n".join([
         "",
@@ -133,7 +134,7 @@ def usage_banner(url: str, model: str, api_key: str | None) -> str:
         "python - <<'EOF'",
         "from openai import OpenAI",
         f"client = OpenAI(base_url={url + '/v1'!r}, api_key={api_key or 'none'!r})",
-        f"reply = client.chat.completions.create(model={model!r}, max_tokens=32,",
+        f"reply = client.chat.completions.create(model={model!r}, max_tokens=32, temperature=0,",
         "    messages=[{'role': 'user', 'content': 'What is the capital of France?'}])",
         "print(reply.choices[0].message.content)",
         "EOF",
