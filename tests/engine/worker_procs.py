@@ -11,72 +11,38 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
-_READY = re.compile(r"kvengine ready address=(\S+) worker_id=(\S+) role=(\S+) namespace=(\S+)")
+from tests.procs import ServiceProc, spawn
 
 
 @dataclass
-class WorkerProc:
-    proc: subprocess.Popen
-    log_dir: Path
-    address: str = ""
+class WorkerProc(ServiceProc):
+    NAME: ClassVar[str] = "kvengine serve"
+    READY: ClassVar[re.Pattern[str]] = re.compile(
+        r"kvengine ready address=(\S+) worker_id=(\S+) role=(\S+) namespace=(\S+)")
+
     worker_id: str = ""
     namespace: str = ""
-    _files: list = field(default_factory=list)
 
-    @property
-    def stderr(self) -> str:
-        return (self.log_dir / "stderr.log").read_text(errors="replace")
-
-    def wait_ready(self, timeout: float) -> "WorkerProc":
-        out = self.log_dir / "stdout.log"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = _READY.search(out.read_text(errors="replace"))
-            if m:
-                self.address, self.worker_id, _, self.namespace = m.groups()
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvengine serve exited with {self.proc.returncode}:\n{self.stderr}")
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"kvengine serve not ready within {timeout} s:\n{self.stderr}")
+    def _on_ready(self, m: re.Match[str]) -> None:
+        self.address, self.worker_id, _, self.namespace = m.groups()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for f in self._files:
-            f.close()
-        self._files.clear()
+        return super().stop(sig, timeout)
 
 
 def start_worker(model_dir: Path, log_dir: Path, *flags: str, timeout: float = 90.0) -> WorkerProc:
-    log_dir.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--port", "0",
             "--threads", "1", *flags]
-    out = open(log_dir / "stdout.log", "wb")
-    err = open(log_dir / "stderr.log", "wb")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, env=env)
-    return WorkerProc(proc, log_dir, _files=[out, err]).wait_ready(timeout)
+    proc, files = spawn(args, log_dir, {**os.environ, "OMP_NUM_THREADS": "1"})
+    return WorkerProc(proc, log_dir, _files=files).wait_ready(timeout, interval=0.05)
 
 
 def generate(address: str, body: dict[str, Any], timeout: float = 60.0

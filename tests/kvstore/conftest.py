@@ -15,90 +15,39 @@ as it found it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.procs import ServiceProc, spawn
+
 SHM_DIR = Path("/dev/shm")
-_PR_SET_PDEATHSIG = 1
-_READY = re.compile(r"kvstore ready address=(\S+) node_id=(\S+) arena=(\S+) memory=\S+ metrics=(\S+)")
-
-
-def _die_with_pytest(parent: int) -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGKILL when the thread that started it dies (Linux).
-
-    The kernel ties PR_SET_PDEATHSIG to the forking *thread*, so the factory only uses it from
-    the main thread, which lives as long as pytest.
-    """
-    def preexec() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # pytest died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 @dataclass
-class DaemonProc:
-    proc: subprocess.Popen
-    args: list[str]
-    log_dir: Path
-    address: str = ""
+class DaemonProc(ServiceProc):
+    NAME: ClassVar[str] = "kvstore serve"
+    READY: ClassVar[re.Pattern[str]] = re.compile(
+        r"kvstore ready address=(\S+) node_id=(\S+) arena=(\S+) memory=\S+ metrics=(\S+)")
+
     node_id: str = ""
     arena: str = ""
     metrics: str | None = None
-    _logs: list = field(default_factory=list)
 
-    @property
-    def stderr(self) -> str:
-        return (self.log_dir / "stderr.log").read_text(errors="replace")
+    def _on_ready(self, m: re.Match[str]) -> None:
+        self.address, self.node_id, self.arena, metrics = m.groups()
+        self.metrics = None if metrics == "-" else metrics
 
-    def wait_ready(self, timeout: float) -> "DaemonProc":
-        out = self.log_dir / "stdout.log"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = _READY.search(out.read_text(errors="replace"))
-            if m:
-                self.address, self.node_id, self.arena, metrics = m.groups()
-                self.metrics = None if metrics == "-" else metrics
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvstore serve exited with {self.proc.returncode}:\n{self.stderr}")
-            time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"kvstore serve not ready within {timeout} s:\n{self.stderr}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.stderr}")
-        finally:
-            self._remove_killed_arena()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._remove_killed_arena()
-        for f in self._logs:
-            f.close()
-
-    def _remove_killed_arena(self) -> None:
+    def _after_exit(self) -> None:
         """A daemon SIGKILLed cannot unlink its arena; do it for it. (After any other exit a
         leftover arena is the daemon's bug, and tests that check for it still see it.)"""
         if self.proc.returncode != -signal.SIGKILL:
@@ -115,17 +64,12 @@ class DaemonFactory:
     def __call__(self, *extra: str, memory: str = "64M", env: dict[str, str] | None = None,
                  timeout: float = 20.0) -> DaemonProc:
         log_dir = self.base / f"daemon{len(self.started)}"
-        log_dir.mkdir(parents=True)
         args = [sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--memory", memory,
                 *extra]
         full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_AUTH_TOKEN"}
         full_env.update(env or {})
-        out = open(log_dir / "stdout.log", "wb")
-        err = open(log_dir / "stderr.log", "wb")
-        main = threading.current_thread() is threading.main_thread()
-        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, env=full_env,
-                                preexec_fn=_die_with_pytest(os.getpid()) if main else None)
-        d = DaemonProc(proc, args, log_dir, _logs=[out, err])
+        proc, files = spawn(args, log_dir, full_env)
+        d = DaemonProc(proc, log_dir, _files=files)
         self.started.append(d)
         return d.wait_ready(timeout)
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.kvstore.conftest import REPO, SHM_DIR
+from tests.kvstore.conftest import SHM_DIR
+from tests.procs import REPO
 
 pytestmark = pytest.mark.integration
 

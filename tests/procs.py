@@ -1,0 +1,114 @@
+"""Our servers as test subprocesses: started with their logs in files, ready when their
+readiness line appears, stopped by signal, never orphaned.
+
+``spawn(args, log_dir)`` starts ``args`` in the repository with stdout and stderr going to
+``log_dir/stdout.log`` and ``log_dir/stderr.log``. A process started from the main thread gets
+SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so an aborted run leaves no orphan.
+``ServiceProc`` subclasses name their readiness line (``READY``) and read its fields
+(``_on_ready``); ``wait_ready`` polls the log with a deadline and fails with the process's
+stderr when it exits or never becomes ready.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+__all__ = ["REPO", "ServiceProc", "spawn"]
+
+REPO = Path(__file__).resolve().parents[1]
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_pytest(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGKILL when the thread that started it dies (Linux).
+
+    The kernel ties PR_SET_PDEATHSIG to the forking *thread*, so ``spawn`` only uses it from
+    the main thread, which lives as long as pytest.
+    """
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # pytest died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def spawn(args: list[str], log_dir: Path, env: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, list]:
+    """Start ``args`` with its output in ``log_dir``; (the process, its open log files)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / "stdout.log", "wb")
+    err = open(log_dir / "stderr.log", "wb")
+    main = threading.current_thread() is threading.main_thread()
+    proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err,
+                            env=os.environ.copy() if env is None else env,
+                            preexec_fn=_die_with_pytest(os.getpid()) if main else None)
+    return proc, [out, err]
+
+
+@dataclass
+class ServiceProc:
+    """One server subprocess; subclasses set ``NAME``, ``READY`` and ``_on_ready``."""
+
+    NAME: ClassVar[str] = "process"
+    READY: ClassVar[re.Pattern[str]]
+
+    proc: subprocess.Popen
+    log_dir: Path
+    address: str = ""
+    _files: list = field(default_factory=list)
+
+    @property
+    def stderr(self) -> str:
+        return (self.log_dir / "stderr.log").read_text(errors="replace")
+
+    def _on_ready(self, match: re.Match[str]) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float, interval: float = 0.02):
+        out = self.log_dir / "stdout.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.READY.search(out.read_text(errors="replace"))
+            if m:
+                self._on_ready(m)
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.NAME} exited with {self.proc.returncode}:\n{self.stderr}")
+            time.sleep(interval)
+        self.kill()
+        raise RuntimeError(f"{self.NAME} not ready within {timeout} s:\n{self.stderr}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send ``sig`` and return the exit code; a process that ignores it for ``timeout``
+        seconds is killed and the test fails with its stderr."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.NAME} ignored signal {sig} for {timeout} s:\n{self.stderr}")
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL if still running; close the log files. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._after_exit()
+        for f in self._files:
+            f.close()
+        self._files.clear()
+
+    def _after_exit(self) -> None:
+        """What a subclass cleans up once the process is gone."""
