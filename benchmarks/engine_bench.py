@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--png", default="engine_bench.png")
+    parser.add_argument("--only", choices=["prefill", "decode"], help="run one half (both by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -46,6 +47,7 @@ def main() -> None:
 
     from engine.convert import ensure_default_model
     from engine.model_runner import ModelRunner, StepItem
+    from engine.native import native_status
 
     model_dir = ensure_default_model()
     prefill_lens = [128, 512] if args.quick else [128, 512, 1024, 2048, 4096]
@@ -67,7 +69,8 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     results: dict = {"prefill": [], "decode": []}
-    work = [("prefill", n) for n in prefill_lens] + [("decode", b) for b in batches]
+    work = [("prefill", n) for n in prefill_lens if args.only != "decode"]
+    work += [("decode", b) for b in batches if args.only != "prefill"]
     for kind, n in tqdm(work, desc="engine_bench", unit="case"):
         if kind == "prefill":
             p = prompt(n)
@@ -128,8 +131,9 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
         "dtype": str(dtype).removeprefix("torch."), "block_size": bs,
         "decode_prompt_tokens": decode_prompt, "decode_steps": decode_steps, **results,
+        "attention": native_status(),
         "targets": {"batch1_ratio_vs_hf": results["decode"][0]["ratio"],
-                    "batch32_over_batch1": d[32] / d[1]},
+                    "batch32_over_batch1": d[32] / d[1]} if d else {},
     }
     print(json.dumps(summary, separators=(",", ":")))
     _plot(summary, args.png)

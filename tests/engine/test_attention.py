@@ -1,5 +1,6 @@
 """Paged attention against a dense causal reference: random shapes, several sequences,
-chunks that start mid-block, scattered block tables, GQA, mixed decode and prefill."""
+chunks that start mid-block, scattered block tables, GQA, mixed decode and prefill; decode
+through the native kernel and through the torch fallback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.attention import AttentionMetadata, DecodeMetadata, PrefillChunk, paged_attention
 from engine.kv_cache import write_kv
 
@@ -22,8 +24,18 @@ def _dense(q, k, v, start_pos, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).reshape(q.shape[0], -1)
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run decode attention through the native kernel, or force the gather + SDPA fallback."""
+    if request.param == "native":
+        assert native.native_status() == "native", "the C kernel must build here (gcc is set up)"
+    else:
+        monkeypatch.setattr(native, "supports", lambda *a: False)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_paged_matches_dense(seed: int) -> None:
+def test_paged_matches_dense(seed: int, decode_path: str) -> None:
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randint(*s, generator=g).tolist()  # noqa: E731
     bs = [1, 4, 16][seed % 3]
@@ -67,9 +79,9 @@ def test_paged_matches_dense(seed: int) -> None:
     if decodes:
         lens = [seqs[i][0] for i in decodes]
         nblk = -(-max(lens) // bs)
-        bt = torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in decodes])
+        bt = torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in decodes], dtype=torch.int32)
         mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, -1)
-        decode_meta = DecodeMetadata(len(decodes), bt, max(lens), mask)
+        decode_meta = DecodeMetadata(len(decodes), bt, max(lens), mask, torch.tensor(lens, dtype=torch.int32))
     q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), decode_meta, chunks)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -92,3 +104,37 @@ def test_write_kv_lands_in_the_named_slots() -> None:
     assert k_cache[0, 2, 0].tolist() == [2.0, 3.0]
     assert v_cache[1, 3, 0].tolist() == [-4.0, -5.0]
     assert int((k_cache != 0).sum()) == 5  # only those slots (one of the six values is 0)
+
+
+@pytest.mark.parametrize("bs,kvh,group,hd", [(16, 3, 3, 64), (16, 8, 4, 128), (32, 2, 16, 256), (1, 1, 1, 8)])
+def test_native_decode_long_contexts(bs: int, kvh: int, group: int, hd: int) -> None:
+    """The kernel against the dense reference at real model shapes and contexts of 1..2k keys."""
+    g = torch.Generator().manual_seed(bs * 1000 + hd)
+    lens = [1, bs, bs + 1, 700, 2048]
+    num_blocks = sum(-(-n // bs) for n in lens) + 7
+    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    nblk = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), kvh * group, hd, generator=g)
+    out = native.paged_decode(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), hd**-0.5)
+    for i, n in enumerate(lens):
+        flat = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(n)])
+        ks, vs = k_cache.view(-1, kvh, hd)[flat], v_cache.view(-1, kvh, hd)[flat]
+        ref = _dense(q[i : i + 1], ks, vs, n - 1, hd**-0.5)
+        torch.testing.assert_close(out[i].reshape(1, -1).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_native_decode_refuses_what_it_cannot_read() -> None:
+    k_cache = torch.zeros(4, 16, 2, 8)
+    q = torch.zeros(1, 4, 8)
+    bt, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    assert native.supports(q, k_cache)
+    assert not native.supports(q.double(), k_cache.double())
+    assert not native.supports(q, k_cache.transpose(0, 1))
+    with pytest.raises(TypeError, match="int32"):
+        native.paged_decode(q, k_cache, k_cache, bt.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="v_cache"):
+        native.paged_decode(q, k_cache, torch.zeros(4, 16, 2, 4), bt, lens, 1.0)
