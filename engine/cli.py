@@ -165,6 +165,17 @@ class _Server:
                                            timeout_graceful_shutdown=5, access_log=False))
 
 
+def _attention_path(kv_cache) -> str:  # noqa: ANN001 - a torch.Tensor; torch imported lazily
+    """Which decode attention this worker runs: the native CPU kernel or the torch ops."""
+    import torch
+
+    from engine.native import native_status
+
+    if kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32:
+        return native_status().split(" ")[0]
+    return "torch"
+
+
 async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info,
                        log_level: str) -> int:
     from kvstore.membership import Registration
@@ -193,7 +204,7 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info
             await serving
             raise _StartupError(f"cannot register in etcd at {cfg.etcd}: {exc}") from exc
     print(f"kvengine ready address={info.address} worker_id={info.worker_id} role={info.role} "
-          f"namespace={info.namespace.hex()}", flush=True)
+          f"namespace={info.namespace.hex()} decode_attention={_attention_path(worker.runner.kv_cache)}", flush=True)
 
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
