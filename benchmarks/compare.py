@@ -1,7 +1,7 @@
 """Issue 5's comparison: four serving configurations on one CPU budget, every workload, one run.
 
-    python -m benchmarks.compare --quick --out results/compare_quick     # 15 min on 2 CPUs
-    python -m benchmarks.compare --out results/compare                    # 33 min on 2 CPUs
+    python -m benchmarks.compare --quick --out results/compare_quick     # < 10 min on 2 CPUs
+    python -m benchmarks.compare --out results/compare                    # ~60 min on 2 CPUs
 
 Configurations (``CONFIGS``), each started with ``kvrouter up`` (CPU sets and threads printed
 in the results), the same total KV memory (512 blocks of 16 tokens):
@@ -30,7 +30,10 @@ Parts (each a ``benchmarks.sweep`` run against the configuration's endpoint): ``
 ``trace`` (goodput vs rate), ``multi_turn`` (one rate), and on ``disagg_store`` ``long_hit``:
 a 2032-token prompt cold, then again after other prompts pushed it out of both device
 caches (a full store hit), then at once again (a device hit). Objectives are fixed per part
-from the first configuration's unloaded latency (TTFT 5x, TPOT 2x) and reused for the rest.
+from the first configuration's unloaded latency (TTFT 5x, TPOT 2x) and reused for the rest;
+on the trace, whose prompts run from 1 to ~1,700 tokens, the TTFT objective is 5x the
+unloaded TTFT *at each request's prompt length* (a line through two probes: the window's
+median and 90th-percentile prompts), so that a long prompt is not failed for being long.
 Every router request is logged (``--request-log``); the log is cut per part to report store
 hits, KV bytes per request and KV transfer time against TTFT. Writes ``OUT/compare.json``
 (also printed as one line); ``benchmarks.compare_report`` draws the PNGs and the tables.
@@ -70,27 +73,30 @@ CONFIGS: dict[str, dict[str, Any]] = {
                            "--prefill-cpus 0 --decode-cpus 1 --worker-arg=--num-blocks=256", "salt": False},
 }
 MIXED = ("--workload mixed --mixed-short-prompt 64 --mixed-short-output 32 --mixed-long-prompt 1024 "
-         "--mixed-long-output 4 --mixed-long-share 0.15")
-TRACE = "--workload trace --trace-count 60 --trace-scale 32"
+         "--mixed-long-output 4 --mixed-long-share 0.3")
+TRACE = "--workload trace --trace-count 60 --trace-scale 32 --ttft-slo-per-length"
 CHAT = ("--workload multi_turn --chat-users 16 --chat-turns 4 --chat-first-message 128 "
         "--chat-message 32 --chat-reply 16 --chat-think-time-s 1")
 LONG_PROMPT, LONG_OUTPUT = 2032, 2  # 127 full blocks; prompt + output within the 2048 context
+TRACE_RATES = {True: "0.3", False: "0.1,0.2,0.3,0.4,0.5"}
+SALTED_TRACE_RATES = {True: None, False: "0.1,0.3,0.5"}  # colo_chunk's no-reuse trace (none in quick)
 
 
 def parts(quick: bool) -> list[tuple[str, str, str]]:
-    """(part, sweep label, sweep flags) in run order; the label keys the objectives."""
+    """(part, sweep label, sweep flags) in run order; the label keys the objectives.
+
+    Full: about 14 min a configuration on 2 CPUs (mixed and its quiet twin 90 s each, the
+    trace at five rates x 75 s, multi-turn 70 s). Quick: mixed, quiet and one trace rate,
+    25 s points, one unloaded sample: under 10 min for all four configurations."""
     if quick:
-        return [("mixed", "mixed", f"{MIXED} --rates 0.5 --point-seconds 40"),
-                ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.5 --point-seconds 40"),
-                ("trace", "trace", f"{TRACE} --rates 0.4 --point-seconds 40"),
-                ("multi_turn", "multi_turn", f"{CHAT} --rates 0.5 --point-seconds 40")]
-    return [("mixed", "mixed", f"{MIXED} --rates 0.3 --point-seconds 80"),
-            ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.3 --point-seconds 80"),
-            ("trace", "trace", f"{TRACE} --rates 0.1,0.2,0.35 --point-seconds 70"),
+        q = "--point-seconds 25 --unloaded-samples 1"
+        return [("mixed", "mixed", f"{MIXED} --rates 0.4 {q}"),
+                ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.4 {q}"),
+                ("trace", "trace", f"{TRACE} --rates {TRACE_RATES[True]} {q}")]
+    return [("mixed", "mixed", f"{MIXED} --rates 0.4 --point-seconds 90"),
+            ("mixed", "mixed_quiet", f"{MIXED} --no-mixed-include-long --rates 0.4 --point-seconds 90"),
+            ("trace", "trace", f"{TRACE} --rates {TRACE_RATES[False]} --point-seconds 75"),
             ("multi_turn", "multi_turn", f"{CHAT} --rates 0.4 --point-seconds 70")]
-
-
-SALTED_TRACE_RATES = {True: "0.4", False: "0.1,0.2"}  # quick -> rates of colo_chunk's salted trace
 
 
 def _lines(path: Path) -> int:
@@ -106,7 +112,9 @@ def run_sweep(name: str, url: str, label: str, flags: str, salt: bool, out: Path
         if "trace" in flags:
             argv += ["--trace-prewarm", "none"]
     if slo:
-        argv += ["--ttft-slo-ms", f"{slo['ttft_s'] * 1e3:.3f}", "--tpot-slo-ms", f"{slo['tpot_s'] * 1e3:.3f}"]
+        argv += ["--ttft-slo-ms", f"{slo['ttft_s'] * 1e3:.3f}", "--tpot-slo-ms", f"{slo['tpot_s'] * 1e3:.3f}",
+                 "--ttft-slo-per-token-ms", f"{slo.get('ttft_per_token_s', 0.0) * 1e3:.6f}",
+                 "--ttft-slo-ref-tokens", str(slo.get("ref_prompt_tokens", 0))]
     print(f"[compare] {name} {label}: {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -136,6 +144,14 @@ async def long_hit(url: str, space: TokenSpace, seed: int = 7) -> dict[str, Any]
         out["store_hit_over_cold"] = ttft["store_hit"] / ttft["cold"]
         out["device_hit_over_cold"] = (ttft["device_hit"] or float("nan")) / ttft["cold"]
     return out
+
+
+def probe_requests(flags: str) -> int:
+    """Requests a sweep sends one at a time before its load (``measure_unloaded``): a warm-up,
+    the samples, and as many long probes again for per-length objectives."""
+    argv = flags.split()
+    n = int(argv[argv.index("--unloaded-samples") + 1]) if "--unloaded-samples" in argv else 3
+    return 1 + n + (n if "--ttft-slo-per-length" in argv else 0)
 
 
 def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
@@ -195,7 +211,8 @@ def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list
         variants = [(spec["salt"], "")]
         for part, label, flags in plan:
             vs = [(True, "")] if part == "mixed" else variants  # mixed: no reuse from the run before
-            vs = vs + ([(True, "_salted")] if part == "trace" and name == "colo_chunk" else [])
+            if part == "trace" and name == "colo_chunk" and SALTED_TRACE_RATES[quick]:
+                vs = vs + [(True, "_salted")]
             for salt, suffix in vs:
                 key = label + suffix
                 if suffix:
@@ -204,7 +221,7 @@ def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list
                 start = _lines(reqlog)
                 rec = run_sweep(name, url, key, flags, salt, cdir / key, slos.get(part))
                 recs = [json.loads(x) for x in open(reqlog).read().splitlines()[start:]] if reqlog.exists() else []
-                rec["router_log"] = log_stats(recs)
+                rec["router_log"] = log_stats(recs, skip=probe_requests(flags))
                 rec["router_log_lines"] = [start, start + len(recs)]
                 cfg = rec.get("configs", {}).get(name)
                 if cfg and part not in slos:
@@ -243,14 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="results/compare")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--parts", default="mixed,mixed_quiet,trace,multi_turn,long_hit")
+    p.add_argument("--parts", default=None,
+                   help="comma-separated (default: mixed,mixed_quiet,trace,multi_turn,long_hit; quick: the plan's)")
     p.add_argument("--port", type=int, default=8390)
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    wanted = args.parts.split(",")
+    wanted = (args.parts or ",".join([lbl for _, lbl, _ in parts(args.quick)]
+                                     + ([] if args.quick else ["long_hit"]))).split(",")
     plan = [(part, label, f"{flags} {args.mixed_extra}".strip() if part == "mixed" else flags)  # later flags win
             for part, label, flags in parts(args.quick) if label in wanted]
     results: dict[str, Any] = {}

@@ -31,10 +31,12 @@ def _points(out: Path, config: str, part: str) -> list[dict[str, Any]]:
 
 
 SCALES = (1.0, 2.0, 3.0)
+SLO_SCALES = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]  # as benchmarks.sweep draws them
 
 
-def _at_scales(out: Path, config: str, part: str, point: dict[str, Any]) -> list[float] | None:
-    """Attainment with both objectives times each of ``SCALES``, from the point's requests."""
+def _at_scales(out: Path, config: str, part: str, point: dict[str, Any],
+               scales: tuple[float, ...] | list[float] = SCALES) -> list[float] | None:
+    """Attainment with both objectives times each of ``scales``, from the point's requests."""
     from benchmarks.metrics_calc import RequestResult, Slo, attainment_at_scales
 
     path = out / config / part / "requests" / f"{config}_r{point['rate']:g}.jsonl"
@@ -42,7 +44,7 @@ def _at_scales(out: Path, config: str, part: str, point: dict[str, Any]) -> list
         return None
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     results = [RequestResult(**{k: v for k, v in r.items() if k != "tpot_s"}) for r in rows]
-    return attainment_at_scales(results, Slo(**point["slo"]), SCALES)
+    return attainment_at_scales(results, Slo(**point["slo"]), scales)
 
 
 def _paired(out: Path, config: str, rate: float) -> dict[str, Any] | None:
@@ -119,6 +121,7 @@ def collect(out: Path) -> dict[str, Any]:
                                   "tpot_p50_s": _stat(p["summary"], "tpot_s", "p50"),
                                   "tpot_p99_s": _stat(p["summary"], "tpot_s", "p99"),
                                   "attainment_at_1x_2x_3x": _at_scales(out, name, part, p),
+                                  "attainment_at_slo_scales": _at_scales(out, name, part, p, SLO_SCALES),
                                   "prewarm": p.get("prewarm", {}).get("sent")} for p in pts]}
         if "long_hit" in c:
             f["long_hit"] = c["long_hit"]
@@ -128,7 +131,13 @@ def collect(out: Path) -> dict[str, Any]:
 
 def tables(fig: dict[str, Any]) -> str:
     cs = fig["configs"]
-    lines = ["| configuration | short P99 TPOT quiet (ms) | with huge prefills (ms) | interference | "
+    lines = ["| workload | objectives TTFT / TPOT (ms) | TTFT per prompt token (ms) | at prompt tokens |",
+             "| --- | --- | --- | --- |"]
+    for part, slo in fig["slos"].items():
+        lines.append(f"| {part} | {_ms(slo['ttft_s'])} / {_ms(slo['tpot_s'])} | "
+                     f"{slo.get('ttft_per_token_s', 0) * 1e3:.3f} | {slo.get('ref_prompt_tokens', 0) or '-'} |")
+    lines += ["", *targets(cs), ""]
+    lines += ["| configuration | short P99 TPOT quiet (ms) | with huge prefills (ms) | interference | "
              "short P99 ITL quiet / mixed (ms) | long TTFT p50 (ms) | short / long requests | "
              "per-request TPOT ratio median / max |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -178,47 +187,92 @@ def tables(fig: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def targets(cs: dict[str, Any]) -> list[str]:
+    """Issue 5's three targets, as measured in this run."""
+    out = []
+    inter = {n: f["mixed"]["interference"] for n, f in cs.items() if f.get("mixed")}
+    if inter:
+        out.append("Interference (P99 TPOT with / without the huge prefills): "
+                   + ", ".join(f"{n} {'-' if v is None else f'{v:.2f}x'}" for n, v in inter.items())
+                   + " (targets: disaggregated <= 1.5x, colo_nochunk > 3x)")
+    store, base = (cs.get("disagg_store") or {}).get("trace"), (cs.get("colo_chunk") or {}).get("trace")
+    if store and base:
+        by_rate = {p["rate"]: p["goodput"] for p in base["curve"]}
+        ratios = [f"{p['rate']:g}: {p['goodput'] / by_rate[p['rate']]:.2f}x" if by_rate.get(p["rate"]) else
+                  f"{p['rate']:g}: -" for p in store["curve"] if p["rate"] in by_rate]
+        mr = [((t.get("max_rate_90") or {}).get("tested")) for t in (store, base)]
+        out.append("Trace goodput disagg_store / colo_chunk by rate: " + ", ".join(ratios)
+                   + f"; highest rate with 90% inside both objectives: {mr[0]} vs {mr[1]} (target >= 1.5x)")
+    for n, f in cs.items():
+        lh = f.get("long_hit") or {}
+        if "store_hit_over_cold" in lh:
+            out.append(f"Full store hit of a 2k prompt on {n}: TTFT {lh['store_hit_over_cold']:.1%} of cold (target < 10%)")
+    return out
+
+
 def plot(fig_data: dict[str, Any], path: Path) -> None:
+    """Mixed-workload interference; with the trace: goodput, attainment, TTFT and TPOT
+    against rate (one curve per configuration) and attainment against the objectives' scale."""
     cs = fig_data["configs"]
     has_trace = any(f.get("trace") for f in cs.values())
-    fig, axes = plt.subplots(1, 3 if has_trace else 1, figsize=(15, 4.2) if has_trace else (6, 4.2), squeeze=False)
-    axes = axes[0]
+    fig, axes = plt.subplots(2 if has_trace else 1, 3 if has_trace else 1,
+                             figsize=(15, 8) if has_trace else (6, 4.2), squeeze=False)
+    ax0 = axes[0][0]
     names = [n for n in cs if cs[n].get("mixed")]
     quiet = [cs[n]["mixed"]["short_tpot_p99_quiet_s"] * 1e3 for n in names]
     mixed = [cs[n]["mixed"]["short_tpot_p99_mixed_s"] * 1e3 for n in names]
     xs = range(len(names))
-    axes[0].bar([x - 0.2 for x in xs], quiet, 0.4, label="short requests alone")
-    axes[0].bar([x + 0.2 for x in xs], mixed, 0.4, label="with huge prefills")
+    ax0.bar([x - 0.2 for x in xs], quiet, 0.4, label="short requests alone")
+    ax0.bar([x + 0.2 for x in xs], mixed, 0.4, label="with huge prefills")
     for x, q, m in zip(xs, quiet, mixed):
-        axes[0].text(x + 0.2, m, f"{m / q:.1f}x", ha="center", va="bottom", fontsize=8)
-    axes[0].set_xticks(list(xs), names, fontsize=8)
-    axes[0].set_ylabel("P99 TPOT of short requests (ms)")
-    axes[0].set_title(f"mixed workload at {cs[names[0]]['mixed']['rate']:g} req/s: interference" if names
-                      else "mixed workload", fontsize=9)
-    axes[0].legend(fontsize=8)
-    for i, (n, f) in enumerate(cs.items() if has_trace else ()):
-        for part, style in (("trace", "o-"), ("trace_salted", "x:")):
-            t = f.get(part)
-            if not t:
-                continue
-            rates = [p["rate"] for p in t["curve"]]
-            label = n + (" (salted)" if part == "trace_salted" else "")
-            axes[1].plot(rates, [100 * p["attainment"] for p in t["curve"]], style, color=f"C{i}", label=label)
-            axes[2].plot(rates, [(p["ttft_p50_s"] or float("nan")) * 1e3 for p in t["curve"]], style,
-                         color=f"C{i}", label=label)
+        ax0.text(x + 0.2, m, f"{m / q:.1f}x", ha="center", va="bottom", fontsize=8)
+    ax0.set_xticks(list(xs), names, fontsize=8)
+    ax0.set_ylabel("P99 TPOT of short requests (ms)")
+    ax0.set_title(f"mixed workload at {cs[names[0]]['mixed']['rate']:g} req/s: interference" if names
+                  else "mixed workload", fontsize=9)
+    ax0.legend(fontsize=8)
     if has_trace:
-        axes[1].axhline(90, color="grey", linestyle=":")
-        axes[1].set_ylabel("trace requests meeting both objectives (%)")
-        axes[1].set_ylim(0, 102)
-        axes[2].set_ylabel("trace TTFT p50 (ms)")
-        axes[2].set_yscale("log")
-    for ax in axes[1:]:
-        ax.set_xlabel("request rate (req/s)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        good, scale, att, ttft, tpot = axes[0][1], axes[0][2], axes[1][0], axes[1][1], axes[1][2]
+        for i, (n, f) in enumerate(cs.items()):
+            for part, style in (("trace", "o-"), ("trace_salted", "x:")):
+                t = f.get(part)
+                if not t:
+                    continue
+                c = t["curve"]
+                rates = [p["rate"] for p in c]
+                label = n + (" (salted)" if part == "trace_salted" else "")
+                good.plot(rates, [p["goodput"] for p in c], style, color=f"C{i}", label=label)
+                att.plot(rates, [100 * p["attainment"] for p in c], style, color=f"C{i}", label=label)
+                for key, ax in (("ttft", ttft), ("tpot", tpot)):
+                    ax.plot(rates, [(p[f"{key}_p50_s"] or float("nan")) * 1e3 for p in c], style,
+                            color=f"C{i}", label=f"{label} p50")
+                    ax.plot(rates, [(p[f"{key}_p99_s"] or float("nan")) * 1e3 for p in c], "--",
+                            color=f"C{i}", alpha=0.6, label=f"{label} p99")
+                mid = c[len(c) // 2]
+                if part == "trace" and mid.get("attainment_at_slo_scales"):
+                    scale.plot(SLO_SCALES, [100 * a for a in mid["attainment_at_slo_scales"]], style,
+                               color=f"C{i}", label=f"{label} @ {mid['rate']:g} req/s")
+        slo = fig_data["slos"].get("trace") or {}
+        if slo.get("tpot_s"):
+            tpot.axhline(slo["tpot_s"] * 1e3, color="grey", linestyle=":", label="TPOT objective")
+        for ax in (att, scale):
+            ax.axhline(90, color="grey", linestyle=":")
+            ax.set_ylim(0, 102)
+        good.set(ylabel="trace goodput (req/s meeting both objectives)", title="goodput against rate")
+        att.set(ylabel="trace requests meeting both objectives (%)", title="attainment against rate")
+        scale.set(xlabel="objectives x this scale", ylabel="requests meeting both (%)",
+                  title="attainment against the objectives' scale")
+        ttft.set(ylabel="trace TTFT (ms)", yscale="log", title="TTFT p50 (solid) and p99 (dashed)")
+        tpot.set(ylabel="trace TPOT (ms)", yscale="log", title="TPOT p50 (solid) and p99 (dashed)")
+        for ax in (good, att, ttft, tpot):
+            ax.set_xlabel("request rate (req/s)")
+        for ax in (good, scale, att, ttft, tpot):
+            ax.grid(alpha=0.3)
+            ax.title.set_fontsize(9)
+            ax.legend(fontsize=6)
     m = fig_data["machine"]
     fig.suptitle(f"SmolLM2-135M fp32, {m['cpu_count']} CPUs ({m['processor']})"
-                 + (", trace at 1/32 scale" if has_trace else ""), fontsize=9)
+                 + (", trace at 1/32 scale, TTFT objective per prompt length" if has_trace else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

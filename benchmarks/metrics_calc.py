@@ -68,20 +68,35 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Slo:
-    """A pair of latency objectives (seconds)."""
+    """A pair of latency objectives (seconds).
+
+    With ``ttft_per_token_s`` > 0 the TTFT objective depends on the prompt's length:
+    ``ttft_s + ttft_per_token_s * (prompt_tokens - ref_prompt_tokens)``, a line through the
+    objective at ``ref_prompt_tokens``. For traces whose prompts range from a few tokens to
+    thousands, where one objective for all lengths is either unreachable for the long prompts
+    or meaningless for the short ones."""
 
     ttft_s: float
     tpot_s: float
+    ttft_per_token_s: float = 0.0
+    ref_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError(f"SLO objectives must be positive, got {self}")
+        if self.ttft_per_token_s < 0 or self.ref_prompt_tokens < 0:
+            raise ValueError(f"the TTFT objective's slope and reference length must be >= 0, got {self}")
+        if self.ttft_s - self.ttft_per_token_s * self.ref_prompt_tokens <= 0:
+            raise ValueError(f"the TTFT objective must stay positive down to a 0-token prompt, got {self}")
 
     def scaled(self, k: float) -> "Slo":
-        return Slo(self.ttft_s * k, self.tpot_s * k)
+        return Slo(self.ttft_s * k, self.tpot_s * k, self.ttft_per_token_s * k, self.ref_prompt_tokens)
+
+    def ttft_objective(self, prompt_tokens: int) -> float:
+        return self.ttft_s + self.ttft_per_token_s * (prompt_tokens - self.ref_prompt_tokens)
 
     def met(self, r: RequestResult) -> bool:
-        if not r.ok or r.ttft_s > self.ttft_s:
+        if not r.ok or r.ttft_s > self.ttft_objective(r.prompt_tokens):
             return False
         tpot = r.tpot_s
         return tpot is None or tpot <= self.tpot_s

@@ -83,6 +83,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "no prefix reuse between requests, nor with an earlier run of the same prompts")
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--ttft-slo-per-token-ms", type=float, default=0.0,
+                        help="with --ttft-slo-ms: the TTFT objective grows this much per prompt token "
+                             "beyond --ttft-slo-ref-tokens")
+    parser.add_argument("--ttft-slo-ref-tokens", type=int, default=0)
+    parser.add_argument("--ttft-slo-per-length", action="store_true",
+                        help="unloaded objectives: also probe the workload's 90th-percentile prompt length, "
+                             "and give each request the TTFT multiple at its own length (a line through both)")
     parser.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded TTFT")
     parser.add_argument("--tpot-slo-mult", type=float, default=2.0, help="TPOT objective / unloaded TPOT")
     parser.add_argument("--no-progress", action="store_true")
@@ -91,6 +98,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_spec_args(parser, TokenSpace, "")
     for prefix, cls in WORKLOADS.values():
         add_spec_args(parser, cls, prefix)
+
+
+def fixed_slo(args: argparse.Namespace) -> Slo:
+    """The objectives ``--ttft-slo-ms``/``--tpot-slo-ms`` (+ the per-token slope) fix."""
+    return Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.ttft_slo_per_token_ms / 1e3,
+               args.ttft_slo_ref_tokens)
 
 
 def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
@@ -137,26 +150,49 @@ class Unloaded:
     ttft_s: float
     tpot_s: float
     samples: int
+    long_prompt_tokens: int = 0  # a second, longer probe (0: none): TTFT objectives per length
+    long_ttft_s: float = 0.0
 
     def slo(self, ttft_mult: float, tpot_mult: float) -> Slo:
-        return Slo(self.ttft_s * ttft_mult, self.tpot_s * tpot_mult)
+        """``ttft_mult`` x the unloaded TTFT (at each prompt length, when a long probe was
+        measured: the line through both probes, never below one unloaded decode step at a
+        0-token prompt) and ``tpot_mult`` x the unloaded TPOT."""
+        if self.long_prompt_tokens <= self.prompt_tokens:
+            return Slo(self.ttft_s * ttft_mult, self.tpot_s * tpot_mult)
+        slope = max((self.long_ttft_s - self.ttft_s) / (self.long_prompt_tokens - self.prompt_tokens), 0.0)
+        intercept = max(self.ttft_s - slope * self.prompt_tokens, self.tpot_s)
+        return Slo((intercept + slope * self.prompt_tokens) * ttft_mult, self.tpot_s * tpot_mult,
+                   slope * ttft_mult, self.prompt_tokens)
+
+
+async def _one_at_a_time(cfg: ClientConfig, space: TokenSpace, shape: tuple[int, int], n: int,
+                         seed: int, tag: str, warmup: int = 0) -> list[RequestResult]:
+    """``warmup`` + ``n`` requests of ``shape`` sent one at a time, each with fresh tokens (no
+    prefix hit between them); the ok ones of the last ``n``."""
+    rng = np.random.default_rng([seed, 4, shape[0]])
+    reqs = [BenchRequest(f"{tag}-{seed}-{i}", space.random(rng, shape[0]), shape[1], tag="unloaded")
+            for i in range(warmup + n)]
+    out = await run_workload(reqs, dataclasses.replace(cfg, max_concurrency=1, progress=False), desc=tag)
+    byid = {r.request_id: r for r in out.results}
+    measured = [byid[r.request_id] for r in reqs[warmup:] if r.request_id in byid and byid[r.request_id].ok]
+    if not measured or any(r.tpot_s is None for r in measured):
+        errors = [r.error for r in out.results if r.error]
+        raise RuntimeError(f"unloaded measurement of {shape[0]}-token prompts failed: {errors[:3]}")
+    return measured
 
 
 async def measure_unloaded(cfg: ClientConfig, shape: tuple[int, int], space: TokenSpace,
-                           n: int = 3, seed: int = 0) -> Unloaded:
-    """Send one warm-up and ``n`` requests of ``shape``, one at a time, each with fresh tokens
-    (no prefix hit between them); medians of the ``n``."""
-    rng = np.random.default_rng([seed, 4])
-    reqs = [BenchRequest(f"unloaded-{seed}-{i}", space.random(rng, shape[0]), shape[1], tag="unloaded")
-            for i in range(n + 1)]
-    out = await run_workload(reqs, dataclasses.replace(cfg, max_concurrency=1, progress=False), desc="unloaded")
-    byid = {r.request_id: r for r in out.results}
-    measured = [byid[r.request_id] for r in reqs[1:] if r.request_id in byid and byid[r.request_id].ok]
-    if not measured or any(r.tpot_s is None for r in measured):
-        errors = [r.error for r in out.results if r.error]
-        raise RuntimeError(f"unloaded measurement failed: {errors[:3]}")
-    return Unloaded(shape[0], shape[1], statistics.median(r.ttft_s for r in measured),
-                    statistics.median(r.tpot_s for r in measured), len(measured))
+                           n: int = 3, seed: int = 0, long_prompt: int = 0) -> Unloaded:
+    """One warm-up and ``n`` requests of ``shape``, one at a time; medians of the ``n``. With
+    ``long_prompt`` > ``shape[0]``, also ``n`` requests of that many prompt tokens (TTFT only)."""
+    measured = await _one_at_a_time(cfg, space, shape, n, seed, "unloaded", warmup=1)
+    u = Unloaded(shape[0], shape[1], statistics.median(r.ttft_s for r in measured),
+                 statistics.median(r.tpot_s for r in measured), len(measured))
+    if long_prompt > shape[0]:
+        longs = await _one_at_a_time(cfg, space, (long_prompt, 2), n, seed, "unloaded-long")
+        u = dataclasses.replace(u, long_prompt_tokens=long_prompt,
+                                long_ttft_s=statistics.median(r.ttft_s for r in longs))
+    return u
 
 
 @dataclasses.dataclass
@@ -199,10 +235,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     unloaded = None
     slo = None
     if args.ttft_slo_ms and args.tpot_slo_ms:
-        slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+        slo = fixed_slo(args)
     elif args.slo_from_unloaded:
         space = spec_from_args(args, TokenSpace, "")
-        unloaded = await measure_unloaded(cfg, workload.probe_shape(), space, args.slo_from_unloaded, args.seed)
+        unloaded = await measure_unloaded(cfg, workload.probe_shape(), space, args.slo_from_unloaded, args.seed,
+                                          workload.long_probe_prompt() if args.ttft_slo_per_length else 0)
         slo = unloaded.slo(args.ttft_slo_mult, args.tpot_slo_mult)
     point = await run_point(workload, cfg, slo, args.prewarm_concurrency)
     record = {"bench": "serve_bench", "url": args.url, "model": model, "rate": args.rate,

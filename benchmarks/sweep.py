@@ -46,7 +46,7 @@ import httpx
 
 from benchmarks.metrics_calc import Slo, attainment_at_scales
 from benchmarks.serve_bench import (
-    TokenSpace, Unloaded, add_bench_args, build_workload, client_config, fetch_model, machine_info,
+    TokenSpace, Unloaded, add_bench_args, build_workload, client_config, fetch_model, fixed_slo, machine_info,
     measure_unloaded, pin_client, run_point, spec_from_args, write_requests,
 )
 
@@ -157,9 +157,10 @@ async def _run_config(args: argparse.Namespace, config: Configuration, rates: li
     base = client_config(args, url, model)
     space = spec_from_args(args, TokenSpace, "")
     shape = build_workload(args, rates[0], args.seed * 1000).probe_shape()
-    unloaded = await measure_unloaded(base, shape, space, args.unloaded_samples, args.seed)
+    long_prompt = build_workload(args, rates[0], args.seed * 1000).long_probe_prompt() if args.ttft_slo_per_length else 0
+    unloaded = await measure_unloaded(base, shape, space, args.unloaded_samples, args.seed, long_prompt)
     if args.ttft_slo_ms and args.tpot_slo_ms:
-        slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+        slo = fixed_slo(args)
     else:
         slo = (ref if args.slo_ref == "first" and ref else unloaded).slo(args.ttft_slo_mult, args.tpot_slo_mult)
     sending = 0.75 * args.point_seconds

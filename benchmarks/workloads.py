@@ -76,6 +76,11 @@ class Workload:
         o = int(np.median([r.max_tokens for r in typical]))
         return p, max(o, min_output)
 
+    def long_probe_prompt(self) -> int:
+        """The 90th-percentile prompt length over all requests: the second probe of
+        per-length TTFT objectives."""
+        return int(np.percentile([len(r.prompt) for r in self.requests], 90))
+
     def truncate(self, n: int) -> "Workload":
         """The first ``n`` open-loop requests, with the follow-ups of those kept."""
         keep: set[str] = set()

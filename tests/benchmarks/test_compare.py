@@ -1,6 +1,6 @@
 """benchmarks.compare: the router-log figures and the per-run plan (no processes started)."""
 
-from benchmarks.compare import CONFIGS, log_stats, parts
+from benchmarks.compare import CONFIGS, log_stats, parts, probe_requests
 
 
 def _record(prompt, out, phases, kv=(0, 0), first=1.0):
@@ -23,7 +23,13 @@ def test_log_stats_skips_probes_and_one_token_requests_and_uses_the_first_phase(
 
 
 def test_plan_and_configurations_share_one_budget():
-    assert [p[1] for p in parts(quick=True)] == ["mixed", "mixed_quiet", "trace", "multi_turn"]
+    assert [p[1] for p in parts(quick=True)] == ["mixed", "mixed_quiet", "trace"]
+    assert [p[1] for p in parts(quick=False)] == ["mixed", "mixed_quiet", "trace", "multi_turn"]
+    full_trace = dict((p[1], p[2]) for p in parts(quick=False))["trace"]
+    rates = full_trace.split("--rates ")[1].split()[0].split(",")
+    seconds = float(full_trace.split("--point-seconds ")[1].split()[0])
+    assert len(rates) == 5 and seconds <= 120  # about five rates, at most two minutes a point
+    assert probe_requests(full_trace) == 7 and probe_requests(parts(quick=True)[0][2]) == 2
     blocks = {n: sum(int(a.split("=")[-1]) * (2 if "disaggregated" in c["up"] else 1)
                      for a in c["up"].split() if a.startswith("--worker-arg=--num-blocks="))
               for n, c in CONFIGS.items()}

@@ -89,3 +89,29 @@ def test_summary_by_tag_and_validation():
         Slo(0.0, 0.1)
     with pytest.raises(ValueError):
         summarize(tagged, 0.0)
+
+
+def test_per_length_ttft_objective_is_a_line_through_the_reference():
+    slo = Slo(1.0, 0.1, ttft_per_token_s=0.002, ref_prompt_tokens=100)
+    assert slo.ttft_objective(100) == pytest.approx(1.0)
+    assert slo.ttft_objective(600) == pytest.approx(2.0)
+    assert slo.ttft_objective(0) == pytest.approx(0.8)
+    assert slo.met(req("long", 1.9, 0.05, 4, prompt=600))       # 1.9 s allowed for 600 tokens
+    assert not slo.met(req("short", 0.9, 0.05, 4, prompt=10))   # but not for 10 (0.82 s)
+    assert slo.scaled(2).ttft_objective(600) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="0-token"):
+        Slo(1.0, 0.1, ttft_per_token_s=0.02, ref_prompt_tokens=100)
+
+
+def test_unloaded_probes_give_per_length_objectives():
+    from benchmarks.serve_bench import Unloaded
+
+    u = Unloaded(100, 16, ttft_s=0.4, tpot_s=0.05, samples=3, long_prompt_tokens=1100, long_ttft_s=2.4)
+    slo = u.slo(5, 2)  # unloaded TTFT(n) = 0.2 + 0.002 n; objective 5x that at every length
+    assert slo.ttft_objective(100) == pytest.approx(2.0)
+    assert slo.ttft_objective(1100) == pytest.approx(12.0)
+    assert slo.tpot_s == pytest.approx(0.1)
+    # a fit whose intercept falls under one decode step is held at one decode step
+    flat = Unloaded(100, 16, ttft_s=0.1, tpot_s=0.05, samples=3, long_prompt_tokens=200, long_ttft_s=0.4)
+    assert flat.slo(5, 2).ttft_objective(0) == pytest.approx(5 * 0.05)
+    assert Unloaded(100, 16, 0.4, 0.05, 3).slo(5, 2) == Slo(2.0, 0.1)

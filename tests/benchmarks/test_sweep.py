@@ -85,3 +85,26 @@ def test_sweep_runs_each_configuration_over_the_rates(tmp_path, capsys):
     assert ids("running", 4) == ids("launched", 4) and ids("running", 8) == ids("launched", 8)
     assert not ids("running", 4) & ids("running", 8)
     assert (out / "launched.log").exists()
+
+
+def test_fixed_and_per_length_objectives_reach_the_points(tmp_path, capsys):
+    """--ttft-slo-ms with a per-token slope (how compare hands the first configuration's
+    objectives on), and --ttft-slo-per-length (a second, long probe at the start)."""
+    common = ["--workload", "mixed", "--rates", "4", "--point-seconds", "1.2", "--unloaded-samples", "1",
+              "--mixed-short-prompt", "8", "--mixed-short-output", "4", "--mixed-long-prompt", "32",
+              "--mixed-long-output", "2", "--vocab-size", "300", "--no-progress"]
+    with FakeOpenAI(ttft_s=0.05, tpot_s=0.01) as fake:
+        sweep.main(["--config", f"fixed={fake.url}", *common, "--out", str(tmp_path / "a"),
+                    "--ttft-slo-ms", "500", "--tpot-slo-ms", "40", "--ttft-slo-per-token-ms", "2",
+                    "--ttft-slo-ref-tokens", "100"])
+        fixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["configs"]["fixed"]
+        n = len(fake.received)
+        sweep.main(["--config", f"probed={fake.url}", *common, "--out", str(tmp_path / "b"),
+                    "--ttft-slo-per-length"])
+        probed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["configs"]["probed"]
+        lengths = [len(b.get("prompt", [])) for _, b in fake.received[n:]]
+    assert fixed["slo"] == {"ttft_s": 0.5, "tpot_s": 0.04, "ttft_per_token_s": 0.002, "ref_prompt_tokens": 100}
+    u = probed["unloaded"]
+    assert u["long_prompt_tokens"] > u["prompt_tokens"] and u["long_ttft_s"] > 0
+    assert probed["slo"]["ref_prompt_tokens"] == u["prompt_tokens"]
+    assert lengths[:3] == [u["prompt_tokens"]] * 2 + [u["long_prompt_tokens"]]  # warm-up, sample, long probe
