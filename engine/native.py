@@ -1,7 +1,8 @@
 """The engine's one native kernel: paged decode attention on CPU, built on first use.
 
 ``engine/csrc/paged_decode.c`` is compiled with the system C compiler (``$CC``, else ``cc``)
-into ``~/.cache/kvcache-store/native/<digest>/`` the first time a process asks for it (about a
+into ``$KVCACHE_HOME/native/<digest>/`` (default ``~/.cache/kvcache-store``) the first time a
+process asks for it (about a
 second), keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes. The
 library links the ``libgomp.so.1`` that torch already loaded, so its OpenMP threads are
 torch's. Nothing is built at import time.
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from engine.paths import cache_home
+
 __all__ = ["paged_decode", "native_status", "build_dir"]
 
 log = logging.getLogger(__name__)
@@ -43,9 +46,8 @@ _state: dict[str, object] = {}  # "fn": the ctypes function or None, "why": reas
 
 
 def build_dir() -> Path:
-    """Where built kernels are cached (``$KVCACHE_STORE_CACHE`` or ~/.cache/kvcache-store)."""
-    root = os.environ.get("KVCACHE_STORE_CACHE") or Path.home() / ".cache" / "kvcache-store"
-    return Path(root) / "native"
+    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``engine.paths.cache_home``)."""
+    return cache_home() / "native"
 
 
 def _cpu_tag() -> str:
