@@ -1,14 +1,13 @@
 """The engine's one native kernel: paged decode attention on CPU, built on first use.
 
 ``engine/csrc/paged_decode.c`` is compiled with the system C compiler (``$CC``, else ``cc``)
-into ``$KVCACHE_HOME/native/<digest>/`` (default ``~/.cache/kvcache-store``) the first time a
-process asks for it (about a
-second), keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes. The
-library links the ``libgomp.so.1`` that torch already loaded, so its OpenMP threads are
-torch's. Nothing is built at import time.
+into ``$KVCACHE_HOME/native/<digest>/`` (default ``~/.cache/kvcache-store``) the first time
+a process asks for it (about a second), keyed by the source, the flags, the compiler and the
+CPU, and loaded with ctypes. The library links the ``libgomp.so.1`` that torch already
+loaded, so its OpenMP threads are torch's. Nothing is built at import time.
 
-Where no compiler works, or ``KVENGINE_NATIVE=0`` is set, :func:`paged_decode` is ``None``
-after one logged warning and attention falls back to gathering the blocks and calling
+Where no compiler works, or ``KVENGINE_NATIVE=0`` is set, :func:`supports` says False after
+one logged warning, and attention falls back to gathering the blocks and calling
 ``scaled_dot_product_attention`` (same results within float tolerance, slower at large batch).
 """
 
