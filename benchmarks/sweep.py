@@ -156,8 +156,9 @@ async def _run_config(args: argparse.Namespace, config: Configuration, rates: li
     model = args.model or await fetch_model(url)
     base = client_config(args, url, model)
     space = spec_from_args(args, TokenSpace, "")
-    shape = build_workload(args, rates[0], args.seed * 1000).probe_shape()
-    long_prompt = build_workload(args, rates[0], args.seed * 1000).long_probe_prompt() if args.ttft_slo_per_length else 0
+    first = build_workload(args, rates[0], args.seed * 1000)
+    shape = first.probe_shape()
+    long_prompt = first.long_probe_prompt() if args.ttft_slo_per_length else 0
     unloaded = await measure_unloaded(base, shape, space, args.unloaded_samples, args.seed, long_prompt)
     if args.ttft_slo_ms and args.tpot_slo_ms:
         slo = fixed_slo(args)

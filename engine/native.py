@@ -156,6 +156,8 @@ def paged_decode(
     scratch = torch.empty(threads, (heads // kvh) * max_ctx, dtype=torch.float32)
     if out is None:
         out = torch.empty(n, heads, hd, dtype=torch.float32)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)} tensor")
     rc = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
