@@ -1,7 +1,7 @@
 """Issue 5's comparison: four serving configurations on one CPU budget, every workload, one run.
 
-    python -m benchmarks.compare --quick --out results/compare_quick     # < 10 min on 2 CPUs
-    python -m benchmarks.compare --out results/compare                    # ~60 min on 2 CPUs
+    python -m benchmarks.compare --quick --out results/compare_quick     # 6.5 min on 2 CPUs
+    python -m benchmarks.compare --out results/compare                    # 45 min on 2 CPUs
 
 Configurations (``CONFIGS``), each started with ``kvrouter up`` (CPU sets and threads printed
 in the results), the same total KV memory (512 blocks of 16 tokens):
@@ -72,9 +72,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg_store": {"up": "--mode disaggregated --prefill 1 --decode 1 --threads-per-worker 1 "
                            "--prefill-cpus 0 --decode-cpus 1 --worker-arg=--num-blocks=256", "salt": False},
 }
-# Huge prompts of 1,200-2,000 tokens (within the 2,048-token context): a stall of ~3 s on these CPUs,
-# longer than a short request's quiet life (~2.5 s); at 1,024 tokens (earlier runs) a stall was
-# shorter than that life and P99 TPOT rose only ~2x however often they came.
+# Huge prompts of 1,200-2,000 tokens (within the 2,048-token context): a colocated stall of 3-4 s
+# on these CPUs, about a short request's quiet life (~3 s); earlier runs used 1,024 tokens.
 MIXED = ("--workload mixed --mixed-short-prompt 64 --mixed-short-output 32 --mixed-long-prompt 1600 "
          "--mixed-long-output 4 --mixed-long-share 0.2")
 TRACE = "--workload trace --trace-count 60 --trace-scale 32 --ttft-slo-per-length"
@@ -88,7 +87,7 @@ SALTED_TRACE_RATES = {True: None, False: "0.1,0.3,0.5"}  # colo_chunk's no-reuse
 def parts(quick: bool) -> list[tuple[str, str, str]]:
     """(part, sweep label, sweep flags) in run order; the label keys the objectives.
 
-    Full: about 14 min a configuration on 2 CPUs (mixed and its quiet twin 90 s each, the
+    Full: about 11 min a configuration on 2 CPUs (mixed and its quiet twin 90 s each, the
     trace at five rates x 75 s, multi-turn 70 s). Quick: mixed, quiet and one trace rate,
     25 s points, one unloaded sample: under 10 min for all four configurations."""
     if quick:

@@ -21,6 +21,8 @@ from typing import Any
 
 import matplotlib
 
+from benchmarks.sweep import SLO_SCALES
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -30,13 +32,11 @@ def _points(out: Path, config: str, part: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-SCALES = (1.0, 2.0, 3.0)
-SLO_SCALES = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]  # as benchmarks.sweep draws them
+SCALES = (1.0, 2.0, 3.0)  # the table's columns; all of them are in SLO_SCALES
 
 
-def _at_scales(out: Path, config: str, part: str, point: dict[str, Any],
-               scales: tuple[float, ...] | list[float] = SCALES) -> list[float] | None:
-    """Attainment with both objectives times each of ``scales``, from the point's requests."""
+def _at_scales(out: Path, config: str, part: str, point: dict[str, Any]) -> list[float] | None:
+    """Attainment with both objectives times each of ``SLO_SCALES``, from the point's requests."""
     from benchmarks.metrics_calc import RequestResult, Slo, attainment_at_scales
 
     path = out / config / part / "requests" / f"{config}_r{point['rate']:g}.jsonl"
@@ -44,7 +44,7 @@ def _at_scales(out: Path, config: str, part: str, point: dict[str, Any],
         return None
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     results = [RequestResult(**{k: v for k, v in r.items() if k != "tpot_s"}) for r in rows]
-    return attainment_at_scales(results, Slo(**point["slo"]), scales)
+    return attainment_at_scales(results, Slo(**point["slo"]), SLO_SCALES)
 
 
 def _paired(out: Path, config: str, rate: float) -> dict[str, Any] | None:
@@ -112,6 +112,7 @@ def collect(out: Path) -> dict[str, Any]:
             if not pts:
                 continue
             sweep = c["parts"].get(part, {})
+            at = [_at_scales(out, name, part, p) for p in pts]
             f[part] = {"max_rate_90": (sweep.get("configs", {}).get(name) or {}).get("max_rate_90"),
                        "router_log": _router_log(out, name, sweep),
                        "curve": [{"rate": p["rate"], "issued": p["summary"]["issued"],
@@ -120,9 +121,9 @@ def collect(out: Path) -> dict[str, Any]:
                                   "ttft_p99_s": _stat(p["summary"], "ttft_s", "p99"),
                                   "tpot_p50_s": _stat(p["summary"], "tpot_s", "p50"),
                                   "tpot_p99_s": _stat(p["summary"], "tpot_s", "p99"),
-                                  "attainment_at_1x_2x_3x": _at_scales(out, name, part, p),
-                                  "attainment_at_slo_scales": _at_scales(out, name, part, p, SLO_SCALES),
-                                  "prewarm": p.get("prewarm", {}).get("sent")} for p in pts]}
+                                  "attainment_at_1x_2x_3x": a and [a[SLO_SCALES.index(k)] for k in SCALES],
+                                  "attainment_at_slo_scales": a,
+                                  "prewarm": p.get("prewarm", {}).get("sent")} for p, a in zip(pts, at)]}
         if "long_hit" in c:
             f["long_hit"] = c["long_hit"]
         figures["configs"][name] = f
