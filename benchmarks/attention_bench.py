@@ -16,9 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import native
-
-
+from engine.model import native
 def _median_ms(fn, n: int = 30) -> float:
     for _ in range(3):
         fn()

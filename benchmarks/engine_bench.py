@@ -45,9 +45,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from engine.convert import ensure_default_model
-    from engine.model_runner import ModelRunner, StepItem
-    from engine.native import native_status
+    from engine.model.convert import ensure_default_model
+    from engine.model.runner import ModelRunner, StepItem
+    from engine.model.native import native_status
 
     model_dir = ensure_default_model()
     prefill_lens = [128, 512] if args.quick else [128, 512, 1024, 2048, 4096]

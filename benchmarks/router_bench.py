@@ -5,7 +5,7 @@ One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
     .venv/bin/python benchmarks/router_bench.py --out benchmarks/results [--quick] [--peer dynamo]
 
 Eight prefill workers, block size 16. For each index size (distinct block keys in
-:class:`~router.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
+:class:`~router.placement.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
 device caches through the same ordered ``stored``/``removed`` events the workers publish:
 
 - 16 system prompts (256 to 2,048 tokens, at most a quarter of the longest prompt;
@@ -61,11 +61,11 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.api_types import WorkerInfo  # noqa: E402
-from engine.event_types import BlockEvent, LoadFigures, Snapshot  # noqa: E402
+from engine.api.generate import WorkerInfo  # noqa: E402
+from engine.api.events import BlockEvent, LoadFigures, Snapshot  # noqa: E402
 from kvstore.keys import block_keys, extend_block_keys  # noqa: E402
-from router.kv_index import KvIndex  # noqa: E402
-from router.policy import PrefillPolicy, WorkerLoad  # noqa: E402
+from router.placement.kv_index import KvIndex  # noqa: E402
+from router.placement.policy import PrefillPolicy, WorkerLoad  # noqa: E402
 
 BLOCK = 16
 WORKERS = 8
@@ -358,7 +358,7 @@ def time_prep(lengths: list[int], n: int, seed: int, peer: DynamoPeer | None) ->
     rng = np.random.default_rng(seed)
     tok = None
     if (MODEL_DIR / "tokenizer.json").is_file():
-        from engine.tokenizer import Tokenizer
+        from engine.api.tokenizer import Tokenizer
         tok = Tokenizer.from_dir(MODEL_DIR)
     out = {}
     for length in lengths:

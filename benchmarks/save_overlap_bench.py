@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
                              "--memory", memory], cwd=REPO, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -65,12 +65,12 @@ def main() -> None:
     import torch
 
     import kvstore
-    from engine.api_types import SamplingParams
-    from engine.connector import KVStoreConnector
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import ModelRunner
-    from engine.worker_config import resolve_model_dir
+    from engine.api.generate import SamplingParams
+    from engine.kv.connector import KVStoreConnector
+    from engine.core.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.model.runner import ModelRunner
+    from engine.worker.config import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)

@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from kvstore import Client  # noqa: E402
 from kvstore.keys import BlockKey  # noqa: E402
-from kvstore.protocol import recv_buffers, send_buffers, tune_socket  # noqa: E402
+from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]
@@ -68,7 +68,7 @@ MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-v
 
 
 def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
                              "--memory", memory, "--log-level", "WARNING"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -243,7 +243,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from kvstore.config import parse_size
+    from kvstore.daemon.config import parse_size
 
     mooncake = None
     if "mooncake" in args.peer:

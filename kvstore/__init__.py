@@ -15,10 +15,10 @@ Usage::
 This package imports neither the engine nor the router.
 """
 
-from .async_client import AsyncClient
-from .client import Client, connect
-from .errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
-from .keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
+from kvstore.client.async_client import AsyncClient
+from kvstore.client.node import Client, connect
+from kvstore.errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+from kvstore.keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
 
 __all__ = [
     "AsyncClient",

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import CorruptBlock
-from .keys import BlockKey
+from kvstore.errors import CorruptBlock
+from kvstore.keys import BlockKey
 
 __all__ = [
     "HEADER_SIZE",

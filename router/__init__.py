@@ -27,13 +27,13 @@ __all__ = ["RouterConfig", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `router.kv_index` (benchmarks, tools) does not pull in FastAPI.
+    # Lazy, so that `router.placement.kv_index` (benchmarks, tools) does not pull in FastAPI.
     if name == "RouterConfig":
         from router.config import RouterConfig
 
         return RouterConfig
     if name == "create_app":
-        from router.app import create_app
+        from router.http.app import create_app
 
         return create_app
     raise AttributeError(f"module 'router' has no attribute {name!r}")

@@ -34,7 +34,7 @@ class _Stop(BaseException):
 
 def build_parser() -> argparse.ArgumentParser:
     from router.config import MODES, RouterConfig
-    from router.policy import PREFILL_POLICIES
+    from router.placement.policy import PREFILL_POLICIES
 
     d = RouterConfig(model_dir="default")
     p = argparse.ArgumentParser(prog="kvrouter", description=__doc__.split("\n")[0])
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
-    from router.launcher import LaunchError, resolve_model_dir
+    from router.cluster.launcher import LaunchError, resolve_model_dir
     from router.server_main import run_router
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -146,7 +146,7 @@ def usage_banner(url: str, model: str, api_key: str | None) -> str:
 def _up(args: argparse.Namespace) -> int:
     import httpx
 
-    from router.launcher import ClusterSpec, LaunchError, LocalCluster
+    from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
 
     try:
         spec = ClusterSpec(

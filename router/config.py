@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.policy import PREFILL_POLICIES, PrefillPolicyName, RateConfig
+from router.placement.policy import PREFILL_POLICIES, PrefillPolicyName, RateConfig
 
 __all__ = ["RouterConfig", "Mode", "MODES"]
 

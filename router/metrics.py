@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.api_types import RequestStats
+from engine.api.generate import RequestStats
 
 __all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
 

@@ -1,6 +1,6 @@
 """Assembles and runs one router process: app, placement, store lookups, etcd registration.
 
-``build_app(config)`` gives ``router.app.create_app`` (whose orchestrator does disaggregated /
+``build_app(config)`` gives ``router.http.app.create_app`` (whose orchestrator does disaggregated /
 colocated / auto placement with failover) a store client for store-hit lookups
 (``prefix_len``, used by the ``kv-aware`` policy and ``auto`` mode) and the per-request JSONL
 log.
@@ -69,7 +69,7 @@ def _store_client(config: RouterConfig) -> Any | None:
 
 def build_app(config: RouterConfig) -> RouterParts:
     """The router's FastAPI app with this package's orchestrator (see the module docstring)."""
-    from router.app import create_app
+    from router.http.app import create_app
 
     request_log = RequestLog(config.request_log)
     store = _store_client(config)
@@ -108,7 +108,7 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     import uvicorn
 
-    from kvstore.membership import Registration
+    from kvstore.coord.membership import Registration
 
     try:
         parts = build_app(config)

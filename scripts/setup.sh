@@ -27,7 +27,7 @@ if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.fin
 fi
 
 if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-# A C compiler builds the engine's paged decode kernel on first use (engine/native.py).
+# A C compiler builds the engine's paged decode kernel on first use (engine/model/native.py).
 if ! command -v cc >/dev/null 2>&1; then
     echo "[setup] installing gcc from Debian's packages (the engine's CPU attention kernel)"
     $SUDO apt-get update -qq
@@ -42,7 +42,7 @@ if ! command -v etcd >/dev/null 2>&1; then
     ($SUDO systemctl disable --now etcd 2>/dev/null || $SUDO service etcd stop 2>/dev/null || true) >/dev/null
 fi
 
-if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/convert.py ]; then
-    .venv/bin/python -m engine.convert --default
+if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then
+    .venv/bin/python -m engine.model.convert --default
 fi
 echo "[setup] done"

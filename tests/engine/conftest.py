@@ -1,7 +1,7 @@
 """Engine test fixtures: tiny checkpoints generated once per session, the default model.
 
 ``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir``: deterministic tiny random
-checkpoints (``engine.tiny``) in a session tmp dir. ``smollm2_dir``: the converted default
+checkpoints (``engine.model.tiny``) in a session tmp dir. ``smollm2_dir``: the converted default
 model (SmolLM2-135M-Instruct), converted on first use into the model cache.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tiny import make_tiny_checkpoint
+from engine.model.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,6 +45,6 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from engine.convert import ensure_default_model
+    from engine.model.convert import ensure_default_model
 
     return ensure_default_model(progress=False)

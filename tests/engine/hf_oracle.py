@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_runner import ModelRunner, StepItem
+from engine.model.runner import ModelRunner, StepItem
 
 NEAR_TIE = 1e-4
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native
-from engine.attention import AttentionMetadata, DecodeMetadata, PrefillChunk, paged_attention
-from engine.kv_cache import write_kv
+from engine.model import native
+from engine.model.attention import AttentionMetadata, DecodeMetadata, PrefillChunk, paged_attention
+from engine.model.kv_cache import write_kv
 
 
 def _dense(q, k, v, start_pos, scale):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, KVEvent
+from engine.core.block_manager import BlockManager, KVEvent
 from kvstore.keys import block_keys, namespace_id
 
 NS = namespace_id({"test": "block_manager"})

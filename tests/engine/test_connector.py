@@ -15,7 +15,7 @@ from kvstore import codec
 from kvstore.errors import StoreUnavailable
 from kvstore.keys import block_keys, namespace_id
 
-from engine.connector import KVStoreConnector
+from engine.kv.connector import KVStoreConnector
 
 torch.set_num_threads(1)
 
@@ -187,9 +187,9 @@ def test_bad_cache_shape_is_rejected():
 
 
 def test_engine_protocol_maps_a_sequence_onto_the_store():
-    from engine.api_types import SamplingParams
-    from engine.connector_api import EngineConnector
-    from engine.sequence import Sequence
+    from engine.api.generate import SamplingParams
+    from engine.kv.connector_api import EngineConnector
+    from engine.core.sequence import Sequence
 
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.convert import convert_gguf, find_default_gguf, is_complete
-from engine.model_runner import ModelRunner
+from engine.model.config import ModelConfig
+from engine.model.convert import convert_gguf, find_default_gguf, is_complete
+from engine.model.runner import ModelRunner
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy, runner_greedy
 
 

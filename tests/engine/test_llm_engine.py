@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.block_manager import KVEvent
-from engine.engine_config import EngineConfig
-from engine.llm_engine import BlockKeyMismatch, Completion, LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.block_manager import KVEvent
+from engine.core.config import EngineConfig
+from engine.core.llm_engine import BlockKeyMismatch, Completion, LLMEngine
+from engine.core.sampling import SamplingParams
 from kvstore.keys import block_keys, salted
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 
@@ -243,8 +243,8 @@ def store_address():
     """A real kvstore daemon (BlockStore + StoreServer) served from a thread."""
     import threading
 
-    from kvstore.server import StoreServer
-    from kvstore.store import BlockStore, StoreConfig
+    from kvstore.net.server import StoreServer
+    from kvstore.node.store import BlockStore, StoreConfig
 
     store = BlockStore(StoreConfig(memory_bytes=32 << 20))
     server = StoreServer(store, host="127.0.0.1", port=0, node_id="test-node")
@@ -260,8 +260,8 @@ def store_address():
 def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path, store_address: str) -> None:
     """Prefill engine saves to a real store; a second engine loads, computes only the tail."""
     import kvstore
-    from engine.connector import KVStoreConnector
-    from engine.model_runner import ModelRunner
+    from engine.kv.connector import KVStoreConnector
+    from engine.model.runner import ModelRunner
 
     prompt = PROMPTS[4] + PROMPTS[2]  # 87 tokens: 5 full blocks + 7
     cold = make_engine(tiny_llama_dir).generate([prompt], GREEDY)[0]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, ModelConfig
-from engine.loader import CheckpointError, load_model, resolve_dtype, weights_digest
-from engine.model_runner import ModelRunner, StepItem
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.loader import CheckpointError, load_model, resolve_dtype, weights_digest
+from engine.model.runner import ModelRunner, StepItem
 
 
 def _copy(src, tmp_path):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner, StepError, StepItem
+from engine.model.runner import ModelRunner, StepError, StepItem
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy, runner_greedy
 
 MAX_NEW = 40

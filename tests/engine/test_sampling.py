@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, _filter, _inverse_cdf, row_uniform, sample, with_seed
+from engine.core.sampling import SamplingParams, _filter, _inverse_cdf, row_uniform, sample, with_seed
 
 torch.set_num_threads(1)
 

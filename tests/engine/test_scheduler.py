@@ -10,11 +10,11 @@ from collections.abc import Sequence as SequenceABC
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.engine_config import EngineConfig
-from engine.sampling import SamplerOutput, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.sampling import SamplerOutput, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
 from kvstore.keys import BlockKey, namespace_id
 
 NS = namespace_id({"test": "scheduler"})

@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
-from engine.event_types import LoadFigures, Snapshot, parse_event
-from engine.events import EventStream, RateMeter
+from engine.api.events import LoadFigures, Snapshot, parse_event
+from engine.worker.events import EventStream, RateMeter
 from kvstore.keys import BlockKey, block_keys
 
 from tests.engine.worker_procs import generate, greedy, metric, start_worker, wait_until

@@ -39,7 +39,7 @@ class WorkerProc(ServiceProc):
 
 
 def start_worker(model_dir: Path, log_dir: Path, *flags: str, timeout: float = 90.0) -> WorkerProc:
-    args = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--port", "0",
+    args = [sys.executable, "-m", "engine.worker.cli", "serve", "--model", str(model_dir), "--port", "0",
             "--threads", "1", *flags]
     proc, files = spawn(args, log_dir, {**os.environ, "OMP_NUM_THREADS": "1"})
     return WorkerProc(proc, log_dir, _files=files).wait_ready(timeout, interval=0.05)

@@ -1,4 +1,4 @@
-"""Fixtures that run real store daemons (``python -m kvstore.cli serve``) as subprocesses.
+"""Fixtures that run real store daemons (``python -m kvstore.daemon.cli serve``) as subprocesses.
 
 - ``start_daemon(*args, memory="64M", ...)``: start one daemon on a free port and wait (with a
   deadline) for its readiness line; returns a ``DaemonProc``. Every daemon a test started is
@@ -64,7 +64,7 @@ class DaemonFactory:
     def __call__(self, *extra: str, memory: str = "64M", env: dict[str, str] | None = None,
                  timeout: float = 20.0) -> DaemonProc:
         log_dir = self.base / f"daemon{len(self.started)}"
-        args = [sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--memory", memory,
+        args = [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0", "--memory", memory,
                 *extra]
         full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_AUTH_TOKEN"}
         full_env.update(env or {})

@@ -12,8 +12,8 @@ from collections import OrderedDict
 
 import pytest
 
-from kvstore.allocator import Allocator
-from kvstore.arena import SHM_DIR, Arena, _owner_alive, remove_stale_arenas
+from kvstore.node.allocator import Allocator
+from kvstore.node.arena import SHM_DIR, Arena, _owner_alive, remove_stale_arenas
 
 KIB = 1024
 BLOCK_360 = 360 * KIB + 64  # one 16-token SmolLM2 block in bf16, with the codec header
@@ -35,7 +35,7 @@ def test_attach_shares_bytes_and_only_the_owner_unlinks():
 def test_a_client_process_exiting_does_not_unlink_the_arena():
     with Arena.create(1 << 16) as owner:
         code = (
-            "import sys; from kvstore.arena import Arena\n"
+            "import sys; from kvstore.node.arena import Arena\n"
             "a = Arena.attach(sys.argv[1]); a.buf[0:3] = b'xyz'; a.close()\n"
         )
         subprocess.run([sys.executable, "-c", code, owner.name], check=True, timeout=30)
@@ -99,7 +99,7 @@ def test_a_live_owner_holds_its_arena_locked_until_close():
 
 
 def test_a_killed_owner_leaves_an_arena_that_the_sweep_removes():
-    code = ("import os, signal, sys; from kvstore.arena import Arena\n"
+    code = ("import os, signal, sys; from kvstore.node.arena import Arena\n"
             "a = Arena.create(1 << 16); print(a.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     name = r.stdout.strip()

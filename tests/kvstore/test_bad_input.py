@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvstore import AuthError, Client, ProtocolError
-from kvstore import protocol as P
+from kvstore.net import protocol as P
 from kvstore.keys import BlockKey
 
 pytestmark = pytest.mark.integration

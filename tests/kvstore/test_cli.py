@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def kvstore(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kvstore.daemon.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 

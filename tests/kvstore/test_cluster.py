@@ -13,12 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
-from kvstore.client import Client
-from kvstore.cluster import ClusterClient
+from kvstore.client.node import Client
+from kvstore.client.cluster import ClusterClient
 from kvstore.errors import StoreUnavailable
-from kvstore.etcd import EtcdClient
+from kvstore.coord.etcd import EtcdClient
 from kvstore.keys import block_keys, namespace_id
-from kvstore.placement import Placement
+from kvstore.client.placement import Placement
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
-from kvstore import protocol as P
-from kvstore.arena import SHM_DIR
-from kvstore.etcd import EtcdClient
+from kvstore.net import protocol as P
+from kvstore.node.arena import SHM_DIR
+from kvstore.coord.etcd import EtcdClient
 from kvstore.keys import BlockKey
 
 pytestmark = pytest.mark.integration

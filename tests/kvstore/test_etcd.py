@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvstore.errors import KVStoreError, StoreUnavailable
-from kvstore.etcd import (
+from kvstore.coord.etcd import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import kvstore.gpu_tier
+import kvstore.node.gpu_tier
 from kvstore.keys import BlockKey
-from kvstore.store import BlockStore, StoreConfig
+from kvstore.node.store import BlockStore, StoreConfig
 
 torch = pytest.importorskip("torch")
 B = 4096
@@ -27,7 +27,7 @@ def V(i: int) -> bytes:
 ])
 def device(request, monkeypatch):
     torch.set_num_threads(1)
-    monkeypatch.setattr(kvstore.gpu_tier, "DEFAULT_DEVICE", request.param)
+    monkeypatch.setattr(kvstore.node.gpu_tier, "DEFAULT_DEVICE", request.param)
     return request.param
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.host_tier import EntryState, HostIndex
+from kvstore.node.host_tier import EntryState, HostIndex
 from kvstore.keys import BlockKey
 
 

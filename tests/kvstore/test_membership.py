@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvstore.etcd import EtcdClient, EtcdUnavailable
-from kvstore.membership import Membership, MembershipChange, Registration
+from kvstore.coord.etcd import EtcdClient, EtcdUnavailable
+from kvstore.coord.membership import Membership, MembershipChange, Registration
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_registration_start_fails_fast_without_etcd(free_port):
 
 REGISTER_AND_HANG = """
 import sys, time
-from kvstore.membership import Registration
+from kvstore.coord.membership import Registration
 Registration(sys.argv[1], sys.argv[2], {"pid": 1}, ttl=1.0).start()
 print("ready", flush=True)
 time.sleep(60)

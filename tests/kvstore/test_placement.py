@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import xxhash
 
-from kvstore.placement import Placement, owners, ranking
+from kvstore.client.placement import Placement, owners, ranking
 
 KEYS = [xxhash.xxh3_128(i.to_bytes(4, "little")).digest() for i in range(20000)]
 NODES = [f"node-{i}" for i in range(5)]
@@ -37,7 +37,7 @@ def test_independent_of_node_order_and_duplicates():
 
 def test_deterministic_across_processes():
     code = (
-        "import xxhash; from kvstore.placement import Placement;"
+        "import xxhash; from kvstore.client.placement import Placement;"
         "p = Placement([f'node-{i}' for i in range(5)]);"
         "keys = [xxhash.xxh3_128(i.to_bytes(4, 'little')).digest() for i in range(200)];"
         "print(','.join(p.owners(k)[0] for k in keys))"

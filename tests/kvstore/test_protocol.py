@@ -1,4 +1,4 @@
-"""Unit tests of the wire format (kvstore/protocol.py) and the daemon config; no processes."""
+"""Unit tests of the wire format (kvstore/net/protocol.py) and the daemon config; no processes."""
 
 import socket
 import threading
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvstore import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
-from kvstore import protocol as P
-from kvstore.config import ServerConfig, parse_size
+from kvstore.net import protocol as P
+from kvstore.daemon.config import ServerConfig, parse_size
 from kvstore.keys import BlockKey
 
 KEYS = [BlockKey(bytes([i]) * 16) for i in range(5)]

@@ -9,7 +9,7 @@ import sys
 import time
 
 from kvstore.keys import BlockKey
-from kvstore.ssd_tier import SsdTier, checksum
+from kvstore.node.ssd_tier import SsdTier, checksum
 
 
 def K(i: int) -> BlockKey:
@@ -70,7 +70,7 @@ def _damage(tier: SsdTier, key: BlockKey) -> None:
 _WRITER = r"""
 import sys
 from kvstore.keys import BlockKey
-from kvstore.ssd_tier import SsdTier, checksum
+from kvstore.node.ssd_tier import SsdTier, checksum
 tier = SsdTier(sys.argv[1], capacity_bytes=1 << 30)
 size = 256 * 1024
 i = 0

@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.errors import StoreFull
 from kvstore.keys import BlockKey
-from kvstore.store import BlockStore, ReservationError, StoreConfig
+from kvstore.node.store import BlockStore, ReservationError, StoreConfig
 
 B = 4096  # block size in these tests (a multiple of the 64-byte granule: exact accounting)
 

@@ -1,5 +1,5 @@
 """Fixtures for the router's unit tests: a small byte-level BPE checkpoint tokenizer built here
-(until engine/tiny.py's checkpoint exists), with a ChatML template like SmolLM2's."""
+(until engine/model/tiny.py's checkpoint exists), with a ChatML template like SmolLM2's."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def llama_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path):
-    from engine.tokenizer import Tokenizer as Wrapper
+    from engine.api.tokenizer import Tokenizer as Wrapper
 
     return Wrapper.from_dir(tokenizer_dir)
 
@@ -94,13 +94,13 @@ def tokenizer(tokenizer_dir: Path):
 #
 # Each test module that needs one builds its own cluster with ``cluster_factory`` (module
 # scoped, so the cluster is shared by the module's tests and stopped after them). The
-# cluster is ``router.launcher.LocalCluster``, the same code ``kvrouter up`` runs, on the
+# cluster is ``router.cluster.launcher.LocalCluster``, the same code ``kvrouter up`` runs, on the
 # session's etcd, with the tiny deterministic checkpoint and one torch thread per worker.
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny import make_tiny_checkpoint
+    from engine.model.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
 
@@ -110,7 +110,7 @@ def cluster_factory(etcd: str, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     """``make(**ClusterSpec fields) -> LocalCluster`` (started); all stopped at module end."""
     import uuid
 
-    from router.launcher import ClusterSpec, LocalCluster
+    from router.cluster.launcher import ClusterSpec, LocalCluster
 
     clusters: list[LocalCluster] = []
 

@@ -11,13 +11,13 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.api_types import (
+from engine.api.generate import (
     GenerateFinal,
     GenerateRequest,
     RequestStats,
     WorkerInfo,
 )
-from engine.event_types import (
+from engine.api.events import (
     BlockEvent,
     LoadEvent,
     LoadFigures,

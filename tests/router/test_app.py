@@ -15,10 +15,10 @@ import openai
 import pytest
 import uvicorn
 
-from engine.api_types import RequestStats
-from router.app import create_app
+from engine.api.generate import RequestStats
+from router.http.app import create_app
 from router.config import RouterConfig
-from router.worker_pool import StaticMembership, WorkerPool
+from router.workers.pool import StaticMembership, WorkerPool
 from tests.router.fake_worker import FakeWorker
 
 ANSWER = " Paris is the capital of France."

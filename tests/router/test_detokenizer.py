@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.detokenizer import IncrementalDetokenizer, normalize_stop
+from engine.api.tokenizer import Tokenizer
+from router.text.detokenizer import IncrementalDetokenizer, normalize_stop
 
 TEXT = "Hello world! Tschüß 👋 和平 — the quick brown fox."
 
@@ -85,9 +85,9 @@ def test_normalize_stop() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The tiny test model's byte-level tokenizer (engine/tiny.py): most non-ASCII characters
+    """The tiny test model's byte-level tokenizer (engine/model/tiny.py): most non-ASCII characters
     are single-byte tokens, so random ids split characters everywhere."""
-    from engine.tiny import make_tiny_checkpoint
+    from engine.model.tiny import make_tiny_checkpoint
 
     return Tokenizer.from_dir(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", seed=0))
 

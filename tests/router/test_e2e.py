@@ -14,8 +14,8 @@ import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from engine.tokenizer import Tokenizer
-from router.launcher import LocalCluster
+from engine.api.tokenizer import Tokenizer
+from router.cluster.launcher import LocalCluster
 from tests.router.cluster_probe import random_prompt, record, scrape, wait_until, worker_id
 
 pytestmark = pytest.mark.integration
@@ -296,7 +296,7 @@ def test_client_disconnect_aborts_the_request_on_its_workers(env: Env) -> None:
 @pytest.mark.slow
 def test_default_model_disaggregated_matches_transformers(cluster_factory) -> None:
     """SmolLM2-135M-Instruct through prefill -> store -> decode: transformers' greedy reply."""
-    from engine.convert import ensure_default_model
+    from engine.model.convert import ensure_default_model
     from tests.engine.hf_oracle import hf_greedy
 
     model_dir = ensure_default_model(progress=False)

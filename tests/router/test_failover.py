@@ -27,21 +27,21 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api_types import (GenerateFinal, GenerateRequest, RequestStats, SamplingParams,
+from engine.api.generate import (GenerateFinal, GenerateRequest, RequestStats, SamplingParams,
                               WorkerInfo)
-from engine.event_types import LoadFigures
-from engine.tokenizer import Tokenizer
+from engine.api.events import LoadFigures
+from engine.api.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
-from router.failover import pick_decode, with_room
-from router.launcher import ChildProcess, LocalCluster
+from router.placement.failover import pick_decode, with_room
+from router.cluster.launcher import ChildProcess, LocalCluster
 from router.metrics import RouterMetrics
-from router.openai_types import ServiceUnavailable
-from router.orchestrator import Orchestrator
-from router.policy import PrefillPolicy, WorkerLoad
+from router.http.openai_types import ServiceUnavailable
+from router.placement.orchestrator import Orchestrator
+from router.placement.policy import PrefillPolicy, WorkerLoad
 from router.request_log import RequestLog
-from router.serving import ServeRequest
-from router.worker_client import WorkerUnavailable
-from router.worker_pool import StaticMembership, WorkerHandle, WorkerPool
+from router.placement.serving import ServeRequest
+from router.workers.client import WorkerUnavailable
+from router.workers.pool import StaticMembership, WorkerHandle, WorkerPool
 from tests.router.cluster_probe import (Metrics, random_prompt, record, records, scrape,
                                         wait_until, worker_id)
 from tests.router.fake_worker import FakeWorker

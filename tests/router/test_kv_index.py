@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from engine.event_types import BlockEvent, LoadEvent, LoadFigures, Snapshot
+from engine.api.events import BlockEvent, LoadEvent, LoadFigures, Snapshot
 from kvstore.keys import block_keys
-from router.kv_index import KvIndex
+from router.placement.kv_index import KvIndex
 
 NS = bytes(16)
 

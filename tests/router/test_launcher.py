@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.launcher import ClusterSpec, LaunchError, resolve_model_dir
+from router.cluster.launcher import ClusterSpec, LaunchError, resolve_model_dir
 
 pytestmark = pytest.mark.integration
 

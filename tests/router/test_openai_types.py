@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engine.api_types import TokenLogprob
-from router.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
-from router.openai_types import (
+from engine.api.generate import TokenLogprob
+from router.http.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
+from router.http.openai_types import (
     BadRequest,
     ChatRequest,
     CompletionRequest,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api_types import RequestStats, WorkerInfo
-from engine.event_types import LoadFigures, Snapshot
+from engine.api.generate import RequestStats, WorkerInfo
+from engine.api.events import LoadFigures, Snapshot
 from kvstore.keys import block_keys
-from router.kv_index import KvIndex
-from router.policy import (
+from router.placement.kv_index import KvIndex
+from router.placement.policy import (
     LinearCost,
     PrefillPolicy,
     RateConfig,

@@ -1,4 +1,4 @@
-"""engine/tokenizer.py against transformers' AutoTokenizer: same ids, same chat prompt."""
+"""engine/api/tokenizer.py against transformers' AutoTokenizer: same ids, same chat prompt."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.api.tokenizer import ChatTemplateError, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -101,7 +101,7 @@ def test_smollm2_checkpoint_matches_transformers() -> None:
 def test_tiny_checkpoint_matches_transformers(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
-    from engine.tiny import make_tiny_checkpoint
+    from engine.model.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama")
     ours, hf = Tokenizer.from_dir(path), _hf(path)

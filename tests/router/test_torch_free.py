@@ -8,8 +8,8 @@ import sys
 
 def test_router_does_not_import_torch() -> None:
     code = (
-        "import sys, router, router.app, router.orchestrator, router.worker_pool, "
-        "engine.tokenizer, engine.api_types, engine.event_types\n"
+        "import sys, router, router.http.app, router.placement.orchestrator, router.workers.pool, "
+        "engine.api.tokenizer, engine.api.generate, engine.api.events\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
         "assert not bad, bad\n"
     )

@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine.api_types import GenerateFinal, GenerateRequest, SamplingParams
-from engine.event_types import LoadFigures
+from engine.api.generate import GenerateFinal, GenerateRequest, SamplingParams
+from engine.api.events import LoadFigures
 from kvstore.keys import block_keys
-from router.worker_client import WorkerClient, WorkerRejected, WorkerUnavailable
-from router.worker_pool import StaticMembership, WorkerPool
+from router.workers.client import WorkerClient, WorkerRejected, WorkerUnavailable
+from router.workers.pool import StaticMembership, WorkerPool
 from tests.router.fake_worker import NS, FakeWorker
 
 KEYS = block_keys(NS, list(range(64)), 4)
@@ -95,7 +95,7 @@ def test_pool_follows_events_resyncs_on_gap_and_tracks_load() -> None:
 
 @pytest.mark.integration
 def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) -> None:
-    from kvstore.membership import Registration
+    from kvstore.coord.membership import Registration
 
     server = etcd_server()
     cluster = unique_prefix.strip("/")

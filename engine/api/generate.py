@@ -1,0 +1,312 @@
+"""Request and stream types of the worker HTTP API (torch-free; shared with the router).
+
+The wire format is JSON; streams are NDJSON (one object a line). Every type has
+``to_json() -> dict`` (a JSON-ready dict, exactly what goes on the wire) and
+``from_json(obj) -> instance`` that validates and raises :class:`ApiValidationError` naming the
+offending field. Block keys travel as 32-character hex strings and are :class:`BlockKey` here.
+
+- ``POST /generate``: body :class:`GenerateRequest`; answer: NDJSON :class:`GenerateChunk`
+  lines, then one :class:`GenerateFinal` (``{"finished": true, ...}``). Use
+  :func:`parse_generate_line` to tell them apart.
+- ``GET /info``: :class:`WorkerInfo` (also the worker's etcd value, see docs/architecture.md).
+- ``GET /events`` and ``GET /snapshot``: their types are in ``engine.api.events``.
+
+A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob], ...]}``
+(``top`` holds the ``sampling.logprobs`` most likely tokens, best first; empty when 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from engine.api.fields import (ApiValidationError, json_object, read_bool, read_figures, read_float,
+                               read_int, read_keys, read_str, read_token_ids)
+from kvstore.keys import BlockKey
+
+__all__ = [
+    "ApiValidationError",
+    "Phase",
+    "FinishReason",
+    "WorkerRole",
+    "SamplingParams",
+    "GenerateRequest",
+    "TokenLogprob",
+    "GenerateChunk",
+    "RequestStats",
+    "GenerateFinal",
+    "parse_generate_line",
+    "WorkerInfo",
+]
+
+Phase = Literal["prefill", "decode", "full"]
+FinishReason = Literal["stop", "length", "abort"]
+WorkerRole = Literal["prefill", "decode", "colocated"]
+PHASES: tuple[str, ...] = ("prefill", "decode", "full")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+MAX_LOGPROBS = 20
+
+
+# --- POST /generate --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` is greedy. ``top_k == 0`` disables top-k.
+
+    Randomness is a function of ``(seed, position)``, so a request continued on another worker
+    samples the same tokens; ``seed=None`` lets the worker pick one. ``logprobs``: None for no
+    logprobs, otherwise the number of top alternatives to report per token (0..20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Validate constructed instances exactly as parsed ones are.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        SamplingParams.from_json(self.to_json())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SamplingParams:
+        w = "sampling."
+        obj = json_object(obj, "sampling")
+        logprobs = read_int(obj, "logprobs", None, lo=0, where=w)
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ApiValidationError(w + "logprobs", f"must be <= {MAX_LOGPROBS}, got {logprobs}")
+        params = object.__new__(cls)
+        for name, value in (
+            ("max_tokens", read_int(obj, "max_tokens", 16, lo=1, where=w)),
+            ("temperature", read_float(obj, "temperature", 1.0, lo=0.0, where=w)),
+            ("top_p", read_float(obj, "top_p", 1.0, lo=0.0, hi=1.0, where=w)),
+            ("top_k", read_int(obj, "top_k", 0, lo=0, where=w)),
+            ("seed", read_int(obj, "seed", None, where=w)),
+            ("stop_token_ids", tuple(read_token_ids(obj, "stop_token_ids", [], where=w))),
+            ("ignore_eos", read_bool(obj, "ignore_eos", False, where=w)),
+            ("logprobs", logprobs),
+        ):
+            object.__setattr__(params, name, value)
+        if params.top_p == 0.0:
+            raise ApiValidationError(w + "top_p", "must be > 0")
+        return params
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """``POST /generate``. ``output_token_ids`` are tokens already produced elsewhere (a
+    prefill→decode handoff or a resume after a failure); the worker continues after them and
+    counts them against ``sampling.max_tokens``.
+
+    ``block_keys`` (optional; hex on the wire): the keys of the prompt's full blocks as the
+    prefill worker computed them (its final line's ``block_keys``). A worker given them checks
+    they equal its own keys for ``prompt_token_ids`` under its namespace salted by
+    ``cache_salt`` and refuses the request (HTTP 409) otherwise: the two workers disagree on
+    the model or the KV layout, and loading the other's blocks would be wrong."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    phase: Phase = "full"
+    block_keys: list[BlockKey] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": self.output_token_ids, "sampling": self.sampling.to_json(),
+            "cache_salt": self.cache_salt, "phase": self.phase,
+            "block_keys": None if self.block_keys is None else [k.hex() for k in self.block_keys],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateRequest:
+        obj = json_object(obj, "body")
+        request_id = read_str(obj, "request_id")
+        if not request_id:
+            raise ApiValidationError("request_id", "must not be empty")
+        prompt = read_token_ids(obj, "prompt_token_ids")
+        if not prompt:
+            raise ApiValidationError("prompt_token_ids", "must not be empty")
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=SamplingParams.from_json(obj.get("sampling", {})),
+            output_token_ids=read_token_ids(obj, "output_token_ids", []),
+            cache_salt=read_str(obj, "cache_salt", None),
+            phase=read_str(obj, "phase", "full", choices=PHASES),
+            block_keys=read_keys(obj, "block_keys", optional=True),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives as ``(token_id, logprob)``."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"logprob": self.logprob, "top": [[t, lp] for t, lp in self.top]}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TokenLogprob:
+        obj = json_object(obj, "logprobs[]")
+        lp = obj.get("logprob")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+            raise ApiValidationError("logprobs[].logprob", f"expected a number, got {lp!r}")
+        try:
+            top = tuple((int(t), float(v)) for t, v in obj.get("top", ()))
+        except (TypeError, ValueError):
+            raise ApiValidationError("logprobs[].top", "expected [[token_id, logprob], ...]") from None
+        return cls(float(lp), top)
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """One stream line: new tokens (usually one), with their logprobs when asked for."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"token_ids": self.token_ids}
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_json() for lp in self.logprobs]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateChunk:
+        obj = json_object(obj, "chunk")
+        ids = read_token_ids(obj, "token_ids")
+        raw = obj.get("logprobs")
+        if raw is None:
+            return cls(ids)
+        if not isinstance(raw, list) or len(raw) != len(ids):
+            raise ApiValidationError("logprobs", "expected one entry per token id")
+        return cls(ids, [TokenLogprob.from_json(x) for x in raw])
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Per-request figures a worker reports in its final line (seconds and bytes)."""
+
+    computed_prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    store_load_s: float = 0.0
+    store_save_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RequestStats:
+        return cls(**read_figures(cls, json_object(obj, "stats"), "stats."))
+
+
+@dataclass(slots=True)
+class GenerateFinal:
+    """The last stream line: why the request ended, and its stats.
+
+    ``block_keys`` (a ``phase="prefill"`` request's final line only; hex on the wire): the keys
+    of the prompt's full blocks, every one of them acknowledged by the store. The router
+    passes them on in the decode request (``GenerateRequest.block_keys``)."""
+
+    finish_reason: FinishReason
+    stats: RequestStats = field(default_factory=RequestStats)
+    block_keys: list[BlockKey] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
+        if self.block_keys is not None:
+            out["block_keys"] = [k.hex() for k in self.block_keys]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerateFinal:
+        obj = json_object(obj, "final")
+        return cls(
+            finish_reason=read_str(obj, "finish_reason", choices=FINISH_REASONS),
+            stats=RequestStats.from_json(obj.get("stats", {})),
+            block_keys=read_keys(obj, "block_keys", optional=True),
+        )
+
+
+def parse_generate_line(obj: Any) -> GenerateChunk | GenerateFinal:
+    """One decoded NDJSON line of a ``/generate`` stream."""
+    obj = json_object(obj, "line")
+    return GenerateFinal.from_json(obj) if obj.get("finished") else GenerateChunk.from_json(obj)
+
+
+# --- GET /info (and the worker's etcd value) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker is. Its etcd value under ``/{cluster}/workers/{worker_id}`` is
+    ``to_json()`` without ``worker_id`` (the key names it)."""
+
+    worker_id: str
+    address: str                # "http://host:port"
+    role: WorkerRole
+    model: str
+    namespace: BlockKey         # the model's namespace id (hex on the wire)
+    block_size: int
+    kv_capacity_blocks: int
+    max_model_len: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id, "address": self.address, "role": self.role,
+            "model": self.model, "namespace": self.namespace.hex(), "block_size": self.block_size,
+            "kv_capacity_blocks": self.kv_capacity_blocks, "max_model_len": self.max_model_len,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, worker_id: str | None = None) -> WorkerInfo:
+        """Parse ``/info`` or an etcd value (pass ``worker_id`` from the key then)."""
+        obj = json_object(obj, "worker")
+        wid = worker_id if worker_id is not None else read_str(obj, "worker_id")
+        try:
+            namespace = BlockKey.from_hex(read_str(obj, "namespace"))
+        except ValueError as exc:
+            raise ApiValidationError("namespace", f"expected 32 hex digits: {exc}") from None
+        address = read_str(obj, "address")
+        if not address.startswith(("http://", "https://")):
+            address = "http://" + address
+        return cls(
+            worker_id=wid, address=address.rstrip("/"),
+            role=read_str(obj, "role", choices=WORKER_ROLES), model=read_str(obj, "model"),
+            namespace=namespace, block_size=read_int(obj, "block_size", lo=1),
+            kv_capacity_blocks=read_int(obj, "kv_capacity_blocks", lo=0),
+            max_model_len=read_int(obj, "max_model_len", lo=1),
+        )
+
+    @property
+    def can_prefill(self) -> bool:
+        """Every worker can prefill; the role says what the router sends it."""
+        return self.role in ("prefill", "colocated")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "colocated")

@@ -1,0 +1,156 @@
+"""Sequence: one request's state inside the engine.
+
+A sequence carries its token ids (prompt, then outputs), its sampling parameters, its block
+table in the paged KV cache, how many of its tokens are in that cache (``num_computed_tokens``),
+and its kvstore :class:`BlockKey` s. Keys are computed incrementally as tokens arrive (one
+``xxh3_128`` per block that fills, chained from the previous key) and never recomputed: the
+block manager, the connector and the store only read them.
+
+Tokens a request arrives with (its prompt, plus any ``output_token_ids`` produced elsewhere:
+a prefill->decode handoff or a resume) are its *initial* tokens; the engine computes them like
+a prompt and generates from position ``num_initial_tokens``. Given output tokens count against
+``max_tokens``.
+
+Only the scheduler mutates a sequence (statuses, block table, computed tokens, appended
+tokens); everything else reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+from engine.api.generate import SamplingParams, TokenLogprob
+from kvstore.keys import BlockKey, block_keys, extend_block_keys
+
+__all__ = ["SequenceStatus", "SequenceStats", "Sequence"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceStats:
+    """Counters and timeline of one request (``time.perf_counter`` seconds).
+
+    Token counters sum over admissions (a preempted request is admitted again):
+    ``computed_prompt_tokens`` are initial tokens this engine computed, ``device_hit_tokens``
+    came from its own prefix cache, ``external_hit_tokens`` were loaded by the connector.
+    """
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    computed_prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    external_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_s(self) -> float:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def first_token_s(self) -> float:
+        return _span(self.arrival_time, self.first_token_time)
+
+
+def _span(start: float | None, end: float | None) -> float:
+    return 0.0 if start is None or end is None else max(0.0, end - start)
+
+
+class Sequence:
+    """One request. ``namespace`` is the (already salted) namespace its keys hash under."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceABC[int],
+        sampling_params: SamplingParams,
+        *,
+        namespace: BlockKey,
+        block_size: int,
+        output_token_ids: SequenceABC[int] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.namespace = namespace
+        self.block_size = block_size
+        self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_initial_tokens = len(self.token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        # Blocks with index < this were offered to the connector for saving or came from it.
+        self.num_offered_blocks = 0
+        self.output_logprobs: list[TokenLogprob] = []
+        self.block_keys: list[BlockKey] = block_keys(namespace, self.token_ids, block_size)
+        self.stats = SequenceStats()
+        if arrival_time is not None:
+            self.stats.arrival_time = arrival_time
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token is uncomputed (a prompt or a recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def prompt_block_keys(self) -> list[BlockKey]:
+        """Keys of the prompt's full blocks (what a prefill hands over)."""
+        return self.block_keys[: self.num_prompt_tokens // self.block_size]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    # -- writes (scheduler only) ----------------------------------------------------------
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Append a sampled token; hash the block it completes, if it completes one."""
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        n = len(self.token_ids)
+        if n % self.block_size == 0:
+            # key[i] = xxh3_128(key[i-1] || block i): extend from the last key over one block.
+            parent = self.block_keys[-1] if self.block_keys else self.namespace
+            self.block_keys.extend(
+                extend_block_keys(parent, [], self.token_ids[n - self.block_size :], self.block_size)
+            )

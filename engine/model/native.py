@@ -1,0 +1,168 @@
+"""The engine's one native kernel: paged decode attention on CPU, built on first use.
+
+``engine/model/csrc/paged_decode.c`` is compiled with the system C compiler (``$CC``, else ``cc``)
+into ``$KVCACHE_HOME/native/<digest>/`` (default ``~/.cache/kvcache-store``) the first time
+a process asks for it (about a second), keyed by the source, the flags, the compiler and the
+CPU, and loaded with ctypes. The library links the ``libgomp.so.1`` that torch already
+loaded, so its OpenMP threads are torch's. Nothing is built at import time.
+
+Where no compiler works, or ``KVENGINE_NATIVE=0`` is set, :func:`supports` says False after
+one logged warning, and attention falls back to gathering the blocks and calling
+``scaled_dot_product_attention`` (same results within float tolerance, slower at large batch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.model.paths import cache_home
+
+__all__ = ["paged_decode", "native_status", "build_dir"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# -ffast-math lets GCC call glibc's vectorised expf (libmvec) in the softmax and reassociate the
+# dot products; it is given to the compile step only, so crtfastmath.o (which would flip the
+# process's denormal flags at load) is never linked in.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11"]
+_LDFLAGS = ["-shared", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "fn": the ctypes function or None, "why": reason when None
+
+
+def build_dir() -> Path:
+    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``engine.model.paths.cache_home``)."""
+    return cache_home() / "native"
+
+
+def _cpu_tag() -> str:
+    try:  # -march=native code must not run on a different CPU sharing the cache
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            [cc, *_CFLAGS, "-c", str(_SOURCE), "-o", str(obj)],
+            [cc, *_LDFLAGS, str(obj), "-o", str(lib), "-lm"],
+        ):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(lib, out)  # atomic: concurrent builders each publish a whole library
+
+
+def _load() -> Callable[..., int]:
+    if os.environ.get("KVENGINE_NATIVE", "1") == "0":
+        raise RuntimeError("disabled by KVENGINE_NATIVE=0")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(
+        "\0".join([_SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), version, _cpu_tag(),
+                   platform.machine()]).encode()
+    ).hexdigest()[:16]
+    lib_path = build_dir() / digest / "paged_decode.so"
+    if not lib_path.exists():
+        _compile(cc, lib_path)
+    lib = ctypes.CDLL(str(lib_path))  # CDLL releases the GIL during calls
+    fn = lib.paged_decode_f32
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    return fn
+
+
+def _kernel() -> Callable[..., int] | None:
+    if "fn" not in _state:
+        with _lock:
+            if "fn" not in _state:
+                try:
+                    _state["fn"] = _load()
+                except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+                    _state["fn"], _state["why"] = None, str(e)
+                    log.warning("native paged decode unavailable, using the torch path: %s", e)
+    return _state["fn"]  # type: ignore[return-value]
+
+
+def native_status() -> str:
+    """``"native"`` when the kernel is loaded, else ``"torch (<why>)"``; builds on first call."""
+    return "native" if _kernel() is not None else f"torch ({_state.get('why')})"
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode` can take these tensors (CPU float32, kernel built)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and q.shape[1] // k_cache.shape[2] <= 16
+        and q.shape[2] <= 256
+        and _kernel() is not None
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention ``[n, heads, head_dim]`` reading K/V from the paged cache in place.
+
+    ``q`` ``[n, heads, head_dim]``; ``k_cache``/``v_cache`` one layer's ``[num_blocks,
+    block_size, kv_heads, head_dim]`` (contiguous); ``block_tables`` int32 ``[n, max_blocks]``;
+    ``context_lens`` int32 ``[n]`` (keys per sequence, at least 1). Call :func:`supports` first.
+    """
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError(f"native paged decode unavailable: {_state.get('why')}")
+    n, heads, hd = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError("block_tables and context_lens must be int32")
+    if not v_cache.is_contiguous() or v_cache.shape != k_cache.shape:
+        raise ValueError("v_cache must be contiguous and shaped like k_cache")
+    q = q.contiguous()
+    block_tables = block_tables.contiguous()
+    max_ctx = block_tables.shape[1] * bs
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads, (heads // kvh) * max_ctx, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, heads, hd, dtype=torch.float32)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)} tensor")
+    rc = fn(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        max_ctx, n, heads, kvh, hd, bs, scale, threads,
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_f32 refused the shapes (code {rc})")
+    return out

@@ -1,0 +1,1 @@
+"""`kvengine serve`: the engine thread beside the HTTP server, its config, event stream and metrics."""

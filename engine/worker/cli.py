@@ -1,0 +1,253 @@
+"""``kvengine serve``: one worker process (engine thread + HTTP API + etcd registration).
+
+Once it accepts connections it prints one readiness line on stdout::
+
+    kvengine ready address=http://127.0.0.1:8100 worker_id=<id> role=<role> namespace=<hex>
+
+Lifecycle: SIGTERM (or SIGINT) starts a drain: new ``/generate`` requests get 503 and
+``/health`` says "draining"; running requests finish (up to ``--drain-timeout``); then the
+worker deregisters from etcd, closes its event streams and exits 0. Start-up problems (no
+checkpoint, unreachable store or etcd) exit 2 with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from engine.worker.config import WorkerConfig, resolve_model_dir
+
+__all__ = ["main", "build_parser", "config_from_args", "serve"]
+
+log = logging.getLogger("kvengine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run one engine worker")
+    s.add_argument("--role", choices=["prefill", "decode", "colocated"], default=d.role)
+    s.add_argument("--model", default=d.model,
+                   help="checkpoint directory, or 'default' for the converted SmolLM2-135M-Instruct")
+    s.add_argument("--host", default=d.host)
+    s.add_argument("--port", type=int, default=d.port, help="0 binds a free port")
+    s.add_argument("--advertise-host", default=None, help="host others reach this worker at")
+    s.add_argument("--worker-id", default=None)
+    s.add_argument("--store", default=None, help="a kvstore node host:port")
+    s.add_argument("--etcd", default=None,
+                   help="etcd URL: register there, and find the store nodes there unless --store")
+    s.add_argument("--cluster", default=d.cluster)
+    s.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    s.add_argument("--block-size", type=int, default=d.block_size)
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--no-chunked-prefill", action="store_true")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: per device)")
+    s.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if available)")
+    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    save = s.add_mutually_exclusive_group()
+    save.add_argument("--save-all", dest="save_all", action="store_true", default=None,
+                      help="save every new full block to the store (default unless --role decode)")
+    save.add_argument("--no-save", dest="save_all", action="store_false",
+                      help="save only for phase=prefill requests")
+    s.add_argument("--load-interval", type=float, default=d.load_interval_s,
+                   help="seconds between load reports on the event stream")
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
+    s.add_argument("--log-level", default="warning")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model, role=args.role, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, worker_id=args.worker_id, store=args.store,
+        etcd=args.etcd, cluster=args.cluster, num_blocks=args.num_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
+        dtype=args.dtype, device=args.device, threads=args.threads, save_all=args.save_all,
+        load_interval_s=args.load_interval, drain_timeout_s=args.drain_timeout,
+    )
+
+
+class _StartupError(Exception):
+    """A start-up problem the user can fix; its message says what."""
+
+
+def _connect_store(cfg: WorkerConfig):
+    import kvstore
+    from kvstore.errors import KVStoreError
+
+    try:
+        if cfg.store is not None:
+            return kvstore.connect(cfg.store), kvstore.connect(cfg.store)
+        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster),
+                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster))
+    except KVStoreError as exc:
+        where = cfg.store or f"etcd {cfg.etcd} cluster {cfg.cluster!r}"
+        raise _StartupError(f"cannot reach the kvstore at {where}: {exc} "
+                            "(start `kvstore serve` first, or run without --store)") from exc
+
+
+@contextlib.contextmanager
+def _worker_parts(cfg: WorkerConfig, sock: socket.socket) -> Iterator[tuple]:
+    """Model, connector, engine, worker thread and app; everything torn down on exit."""
+    import torch
+
+    from engine.api.generate import WorkerInfo
+    from engine.kv.connector import KVStoreConnector
+    from engine.worker.events import EventStream
+    from engine.core.llm_engine import LLMEngine
+    from engine.worker.metrics import WorkerMetrics
+    from engine.model.runner import ModelRunner
+    from engine.worker.server import create_app
+    from engine.worker.worker import EngineWorker, MeasuredRunner
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        model_dir = resolve_model_dir(cfg.model)
+    except FileNotFoundError as exc:
+        raise _StartupError(str(exc)) from exc
+    runner = MeasuredRunner(ModelRunner(model_dir, num_blocks=cfg.num_blocks,
+                                        block_size=cfg.block_size, dtype=cfg.dtype,
+                                        device=cfg.device))
+    clients = _connect_store(cfg) if cfg.uses_store else ()
+    connector = (KVStoreConnector(clients[0], runner.kv_cache, save_client=clients[1],
+                                  save_all=cfg.saves_all) if clients else None)
+    events = EventStream(cfg.event_capacity)
+    metrics = WorkerMetrics()
+    engine = LLMEngine(runner, cfg.engine_config(), connector=connector,
+                       on_kv_event=events.on_kv_event)
+    worker = EngineWorker(engine, runner, events, metrics, connector=connector,
+                          load_interval_s=cfg.load_interval_s)
+    host, port = sock.getsockname()[:2]
+    info = WorkerInfo(
+        worker_id=cfg.resolved_worker_id(),
+        address=f"http://{cfg.advertise_host or host}:{port}",
+        role=cfg.role, model=model_dir.name, namespace=engine.namespace,
+        block_size=cfg.block_size, kv_capacity_blocks=cfg.num_blocks,
+        max_model_len=engine.max_model_len,
+    )
+    app = create_app(worker, info, events, metrics)
+    worker.start()
+    try:
+        yield worker, app, info
+    finally:
+        worker.stop()
+        for c in clients:
+            c.close()
+
+
+class _Server:
+    """uvicorn without its own signal handling (the worker drains first, then stops it)."""
+
+    def __init__(self, app, log_level: str) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        self.server = Quiet(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                           timeout_graceful_shutdown=5, access_log=False))
+
+
+def _attention_path(kv_cache) -> str:  # noqa: ANN001 - a torch.Tensor; torch imported lazily
+    """Which decode attention this worker runs: the native CPU kernel or the torch ops."""
+    import torch
+
+    from engine.model.native import native_status
+
+    if kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32:
+        return native_status().split(" ")[0]
+    return "torch"
+
+
+async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info,
+                       log_level: str) -> int:
+    from kvstore.coord.membership import Registration
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = _Server(app, log_level).server
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if serving.done() or time.monotonic() > deadline:
+            await serving
+            raise _StartupError("the HTTP server did not start")
+        await asyncio.sleep(0.01)
+    registration = None
+    if cfg.etcd is not None:
+        value = {k: v for k, v in info.to_json().items() if k != "worker_id"}
+        key = f"/{cfg.cluster}/workers/{info.worker_id}"
+        try:
+            registration = await asyncio.to_thread(
+                Registration(cfg.etcd, key, value, ttl=cfg.registration_ttl_s).start)
+        except Exception as exc:  # noqa: BLE001 - EtcdError and transport errors alike
+            server.should_exit = True
+            await serving
+            raise _StartupError(f"cannot register in etcd at {cfg.etcd}: {exc}") from exc
+    print(f"kvengine ready address={info.address} worker_id={info.worker_id} role={info.role} "
+          f"namespace={info.namespace.hex()} decode_attention={_attention_path(worker.runner.kv_cache)}", flush=True)
+
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():  # the server died on its own
+        stopper.cancel()
+        await serving
+        return 1
+    log.warning("draining: refusing new requests, finishing %s", "running ones")
+    worker.drain()
+    drain_deadline = time.monotonic() + cfg.drain_timeout_s
+    while not worker.idle and time.monotonic() < drain_deadline:
+        await asyncio.sleep(0.02)
+    if registration is not None:
+        await asyncio.to_thread(registration.close)
+    app.state.closing.set()
+    server.should_exit = True
+    await serving
+    return 0 if worker.idle else 1
+
+
+def serve(cfg: WorkerConfig, log_level: str = "warning") -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as exc:
+        raise _StartupError(f"cannot bind {cfg.host}:{cfg.port}: {exc}") from exc
+    sock.listen(1024)
+    sock.setblocking(False)
+    with sock, _worker_parts(cfg, sock) as (worker, app, info):
+        return asyncio.run(_serve_async(cfg, sock, worker, app, info, log_level))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        return serve(cfg, args.log_level)
+    except (_StartupError, ValueError) as exc:
+        print(f"kvengine {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

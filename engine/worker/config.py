@@ -1,0 +1,97 @@
+"""WorkerConfig: one worker process's configuration, validated once, defaults in one place.
+
+``kvengine serve`` builds it from its flags (``engine.worker.cli``); tests and launchers build it
+directly. The engine's own knobs are passed through as an ``EngineConfig``
+(``engine_config()``), so they are validated by the engine, not twice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from engine.api.generate import WORKER_ROLES, WorkerRole
+from engine.core.config import EngineConfig
+from engine.model.paths import default_model_dir
+
+__all__ = ["WorkerConfig", "resolve_model_dir"]
+
+
+def resolve_model_dir(model: str) -> Path:
+    """``"default"`` -> the converted SmolLM2 checkpoint; anything else is a directory."""
+    path = default_model_dir() if model == "default" else Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        hint = (" (run scripts/setup.sh, or `python -m engine.model.convert --default`, to convert it)"
+                if model == "default" else "")
+        raise FileNotFoundError(f"no checkpoint at {path}: config.json is missing{hint}")
+    return path
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker: its role, model, cache, where its store is and where it registers.
+
+    - ``role``: what the router sends it (every worker can prefill). ``prefill`` and
+      ``colocated`` workers save every new full block to the store; a ``decode`` worker saves
+      only for requests in phase "prefill" (``save_all`` overrides).
+    - ``store``: a store node ``host:port``; or ``etcd`` (+ ``cluster``) to find the store
+      nodes registered there. Neither: no store (device prefix cache only).
+    - ``etcd``: also where the worker registers (``/{cluster}/workers/{worker_id}``).
+    - ``port`` 0 binds a free port (the readiness line and ``/info`` say which).
+    - ``threads``: torch intra-op threads (None: torch's default).
+    """
+
+    model: str = "default"
+    role: WorkerRole = "colocated"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    store: str | None = None
+    etcd: str | None = None
+    cluster: str = "kvstore"
+    # The engine's share: passed through as an EngineConfig, whose defaults these are.
+    num_blocks: int = EngineConfig.num_blocks
+    block_size: int = EngineConfig.block_size
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineConfig.enable_chunked_prefill
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    max_model_len: int | None = EngineConfig.max_model_len
+    dtype: str | None = EngineConfig.dtype
+    device: str | None = EngineConfig.device
+    threads: int | None = None
+    save_all: bool | None = None
+    load_interval_s: float = 0.5
+    event_capacity: int = 65536
+    registration_ttl_s: float = 5.0
+    drain_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {list(WORKER_ROLES)}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.store is not None and self.etcd is None and ":" not in self.store:
+            raise ValueError(f"--store must be host:port, got {self.store!r}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+        for name in ("load_interval_s", "registration_ttl_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.engine_config()  # validates the engine's share
+
+    @property
+    def saves_all(self) -> bool:
+        return self.save_all if self.save_all is not None else self.role != "decode"
+
+    @property
+    def uses_store(self) -> bool:
+        return self.store is not None or self.etcd is not None
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})

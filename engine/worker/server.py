@@ -1,0 +1,155 @@
+"""The worker's HTTP API (FastAPI), per "Worker HTTP API" in docs/architecture.md.
+
+- ``POST /generate``: body ``GenerateRequest``; 400 names the bad field or value (malformed
+  JSON, ids outside the vocabulary, prompt + max_tokens beyond the context), 503 while the
+  worker drains, 409 when the request's ``block_keys`` differ from this worker's keys for the
+  prompt (the prefill worker and this one disagree on model, layout or salt). Otherwise an NDJSON stream of ``GenerateChunk`` lines and one final
+  ``GenerateFinal`` line. A client that disconnects aborts its request.
+- ``POST /abort`` ``{"request_id"}``: abort (idempotent; unknown ids are a no-op).
+- ``GET /events?since=SEQ``: NDJSON stream of events after ``SEQ`` (without ``since``: from
+  now on); it ends when the worker shuts down. ``GET /snapshot``: the resync point.
+- ``GET /info`` (``WorkerInfo``), ``GET /health`` (200 ok, 503 draining or engine dead),
+  ``GET /metrics`` (Prometheus text from the worker's own registry).
+
+The app only translates between HTTP and the ``EngineWorker``; it never touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.api.generate import ApiValidationError, GenerateFinal, GenerateRequest, WorkerInfo
+from engine.worker.events import EventStream
+from engine.core.llm_engine import BlockKeyMismatch
+from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
+from engine.worker.worker import Draining, EngineWorker
+
+__all__ = ["create_app"]
+
+NDJSON = "application/x-ndjson"
+_EVENT_BATCH = 1024
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
+               metrics: WorkerMetrics) -> FastAPI:
+    """The worker's app. Setting ``app.state.closing`` (an ``asyncio.Event``) ends the
+    event streams when set, so a server shutdown is not held open by subscribers."""
+    app = FastAPI(title="kvengine worker", docs_url=None, redoc_url=None)
+    app.state.info = info
+    app.state.closing = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            metrics.rejected.labels("bad_request").inc()
+            return _error(400, f"body is not valid JSON: {exc}")
+        try:
+            req = GenerateRequest.from_json(body)
+        except ApiValidationError as exc:
+            metrics.rejected.labels("bad_request").inc()
+            return _error(400, str(exc), field=exc.field)
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Any) -> None:  # engine or saver thread
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        try:
+            accepted = worker.submit(req, sink)
+        except Draining as exc:
+            metrics.rejected.labels("draining").inc()
+            return _error(503, str(exc))
+        except RuntimeError as exc:
+            return _error(503, str(exc))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BlockKeyMismatch as exc:
+            return _error(409, str(exc), field="block_keys")
+        except ValueError as exc:
+            return _error(400, str(exc))
+        except RuntimeError as exc:  # the engine thread died meanwhile
+            return _error(503, str(exc))
+
+        async def stream() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                while True:
+                    item = await out.get()
+                    yield _line(item.to_json())
+                    if isinstance(item, GenerateFinal):
+                        finished = True
+                        return
+            finally:
+                if not finished:  # the client went away (or the server is stopping)
+                    worker.abort(req.request_id)
+
+        return StreamingResponse(stream(), media_type=NDJSON)
+
+    @app.post("/abort")
+    async def abort(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not valid JSON: {exc}")
+        rid = body.get("request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            return _error(400, "request_id: expected a non-empty string", field="request_id")
+        worker.abort(rid)
+        return JSONResponse({"request_id": rid, "aborted": True})
+
+    @app.get("/events")
+    async def event_stream(since: int | None = None) -> Response:
+        if since is not None and since < 0:
+            return _error(400, f"since must be >= 0, got {since}", field="since")
+        start = events.seq if since is None else since
+        closing: asyncio.Event = app.state.closing
+
+        async def stream() -> AsyncIterator[bytes]:
+            seq = start
+            while not closing.is_set():
+                batch = events.since(seq, limit=_EVENT_BATCH)
+                if batch:
+                    seq = batch[-1].seq
+                    yield b"".join(_line(e.to_json()) for e in batch)
+                    continue
+                await events.wait_async(seq, timeout=0.5)
+
+        return StreamingResponse(stream(), media_type=NDJSON)
+
+    @app.get("/snapshot")
+    async def snapshot() -> Response:
+        return JSONResponse(events.snapshot().to_json())
+
+    @app.get("/info")
+    async def get_info() -> Response:
+        return JSONResponse(app.state.info.to_json())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not worker.alive:
+            return _error(503, f"engine thread stopped: {worker.error!r}", status="dead")
+        if worker.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,312 @@
+"""``Client``: one store node, over shared memory on the same host, TCP elsewhere.
+
+The path is chosen at connect time: when the daemon's HELLO reports this machine's host id
+and its arena can be mapped (``Arena.attach``), gets are PIN + copy from the mapped arena +
+UNPIN and puts are RESERVE + write in place + COMMIT, so only keys and offsets cross the
+socket. Otherwise values travel in PUT/GET frames (``kvstore.net.protocol``), received straight
+into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many blocks).
+``transport="tcp"`` forces the socket path. The socket, handshake and framing live in
+``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
+
+Buffers: anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and
+torch tensors (CPU tensors in place; a CUDA tensor through a CPU staging copy). A get's
+buffer must be C-contiguous, writable and at least as large as the block; the block fills
+its head.
+
+Failure: a refused connection, a connect or I/O timeout or a dropped connection raises
+``StoreUnavailable`` at once (``timeout`` bounds every connect and every socket wait; never
+a hang); the next call reconnects. Daemon-side errors come back as the typed exceptions of
+``kvstore.errors``.
+
+Threads: a ``Client`` is thread-safe (one lock around each request; requests from several
+threads are serialized on its one connection). For parallel transfers use one ``Client``
+per thread, or ``AsyncClient`` (``kvstore.client.async_client``), which keeps one per worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Sequence
+
+import numpy as np
+
+from kvstore.net import protocol as P
+from kvstore.net.buffers import Dest, source_bytes
+from kvstore.net.connection import Connection, Traffic, parse_address
+from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+
+__all__ = ["Client", "connect", "parse_address"]
+
+Transport = Literal["auto", "tcp", "shm"]
+
+
+def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
+            auth_token: str | None = None, timeout: float = 5.0):
+    """A ``Client`` for one node at ``address``, or a ``ClusterClient`` over the nodes
+    registered in etcd at ``etcd`` (endpoints URL) under ``cluster``. Pass exactly one."""
+    if (address is None) == (etcd is None):
+        raise ValueError("pass exactly one of address='host:port' or etcd='http://host:port'")
+    if address is not None:
+        return Client(address, auth_token=auth_token, timeout=timeout)
+    from kvstore.client.cluster import ClusterClient
+
+    return ClusterClient(etcd, cluster=cluster, auth_token=auth_token, timeout=timeout)
+
+
+def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+@contextmanager
+def _pinned(conn: Connection, keys) -> Iterator[tuple[list[int], list[int]]]:
+    """PIN ``keys`` for the block: (offsets, sizes) in the arena, ``P.MISSING`` for absent
+    keys; the pinned ones are unpinned (one-way) on the way out, however it is left."""
+    _, meta = conn.exchange(P.Op.PIN, P.pack_keys(keys))
+    n = len(keys)
+    arr = np.frombuffer(meta, "<u8")
+    offsets, sizes = arr[:n].tolist(), arr[n:].tolist()
+    try:
+        yield offsets, sizes
+    finally:
+        pinned = [k for k, s in zip(keys, sizes) if s != P.MISSING]
+        if pinned:
+            conn.send_oneway(P.Op.UNPIN, P.pack_keys(pinned))
+
+
+class Client:
+    """A connection to one store node. See the module docstring for paths and failures."""
+
+    def __init__(self, address: str, *, auth_token: str | None = None, timeout: float = 5.0,
+                 transport: Transport = "auto") -> None:
+        if transport not in ("auto", "tcp", "shm"):
+            raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
+        parse_address(address)  # a malformed address fails here, not on first use
+        self.address = address
+        self._token = auth_token if auth_token is not None else os.environ.get("KVSTORE_AUTH_TOKEN")
+        self._timeout = timeout
+        self._want = transport
+        self._lock = threading.RLock()
+        self._conn: Connection | None = None
+        self._closed = False
+        self._traffic = Traffic()
+        with self._lock:
+            self._connection()
+
+    # --- public API ----------------------------------------------------------------------
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"tcp"``: the path of the current connection."""
+        with self._lock:
+            return "shm" if self._connection().arena is not None else "tcp"
+
+    @property
+    def node_id(self) -> str:
+        with self._lock:
+            return self._connection().hello["node_id"]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Every byte this client wrote to its sockets."""
+        return self._traffic.sent
+
+    @property
+    def bytes_received(self) -> int:
+        """... and read from them."""
+        return self._traffic.received
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
+        """Store ``values[i]`` under ``keys[i]``. Present keys are a successful no-op.
+        Raises ``StoreFull`` if the batch cannot fit (nothing of that batch is stored)."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        srcs = [source_bytes(v) for v in values]
+        for sl in _chunks(len(keys)):
+            with self._request() as conn:
+                if conn.arena is not None:
+                    self._put_shm(conn, keys[sl], srcs[sl])
+                else:
+                    self._put_tcp(conn, keys[sl], srcs[sl])
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        """Copy each present block into its buffer; return which keys were found."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        dests = [Dest(b) for b in buffers]
+        found: list[bool] = []
+        for sl in _chunks(len(keys)):
+            with self._request() as conn:
+                if conn.arena is not None:
+                    found += self._get_shm(conn, keys[sl], dests[sl])
+                else:
+                    found += self._get_tcp(conn, keys[sl], dests[sl])
+        return found
+
+    def get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each block as ``bytes`` (None when absent). Convenient; ``get`` copies less."""
+        out: list[bytes | None] = []
+        for sl in _chunks(len(keys)):
+            with self._request() as conn:
+                if conn.arena is not None:
+                    out += self._read_pinned(conn, keys[sl])
+                    continue
+                _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True)
+                bufs = [None if s == P.MISSING else bytearray(s)
+                        for s in np.frombuffer(meta, "<u8").tolist()]
+                conn.recv([b for b in bufs if b is not None])
+                out += [None if b is None else bytes(b) for b in bufs]
+        return out
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for sl in _chunks(len(keys)):
+            with self._request() as conn:
+                _, meta = conn.exchange(P.Op.CONTAINS, P.pack_keys(keys[sl]))
+                out += [bool(b) for b in meta]
+        return out
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored (the longest cached prefix, in blocks)."""
+        total = 0
+        for sl in _chunks(len(keys)):
+            n = self._count(P.Op.PREFIX_LEN, keys[sl])
+            total += n
+            if n < sl.stop - sl.start:
+                break
+        return total
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks (pinned ones go once unpinned); return how many were present."""
+        return sum(self._count(P.Op.DELETE, keys[sl]) for sl in _chunks(len(keys)))
+
+    def stats(self) -> dict[str, Any]:
+        """``{"store": <BlockStore.stats() fields>, "server": {node_id, address, ...}}``."""
+        with self._request() as conn:
+            _, meta = conn.exchange(P.Op.STATS, b"")
+        return P.unpack_json(meta)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("disconnected" if self._conn is None else
+                                               ("shm" if self._conn.arena is not None else "tcp"))
+        return f"Client({self.address!r}, {state})"
+
+    # --- data paths ------------------------------------------------------------------------
+
+    def _count(self, op: P.Op, keys) -> int:
+        """A request whose answer is one u32 (PREFIX_LEN, DELETE)."""
+        with self._request() as conn:
+            _, meta = conn.exchange(op, P.pack_keys(keys))
+        return P._U32.unpack(meta)[0]
+
+    def _put_tcp(self, conn: Connection, keys, srcs: list[np.ndarray]) -> None:
+        sizes = [s.nbytes for s in srcs]
+        total = sum(sizes)
+        if total > conn.hello["max_data"]:
+            raise StoreFull(f"a put of {total} bytes exceeds the node's {conn.hello['max_data']}"
+                            "-byte arena; put fewer blocks at once or raise its --memory")
+        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), srcs)
+
+    def _put_shm(self, conn: Connection, keys, srcs: list[np.ndarray]) -> None:
+        _, meta = conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(keys, [s.nbytes for s in srcs]))
+        offsets = np.frombuffer(meta, "<u8").tolist()
+        mine = [k for k, off in zip(keys, offsets) if off != P.MISSING]
+        arena = conn.arena_np
+        try:
+            for src, off in zip(srcs, offsets):
+                if off != P.MISSING:
+                    np.copyto(arena[off: off + src.nbytes], src)
+        except BaseException:
+            if mine:
+                conn.exchange(P.Op.ABORT, P.pack_keys(mine))
+            raise
+        if mine:
+            conn.exchange(P.Op.COMMIT, P.pack_keys(mine))
+
+    def _get_tcp(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
+        h, meta = conn.exchange(P.Op.GET, P.pack_keys(keys), keep_data=True)
+        sizes = np.frombuffer(meta, "<u8").tolist()
+        views = []
+        for i, (d, s) in enumerate(zip(dests, sizes)):
+            if s == P.MISSING:
+                continue
+            if s > d.array.nbytes:
+                conn.drain(h.data_len)
+                raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
+            views.append(d.array[:s])
+        conn.recv(views)  # every present block, in key order, in as few syscalls as possible
+        for d, s in zip(dests, sizes):
+            if s != P.MISSING and d.staged:
+                d.finish(s)
+        return [s != P.MISSING for s in sizes]
+
+    def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
+        arena = conn.arena_np
+        with _pinned(conn, keys) as (offsets, sizes):
+            for i, (d, off, s) in enumerate(zip(dests, offsets, sizes)):
+                if s == P.MISSING:
+                    continue
+                if s > d.array.nbytes:
+                    raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
+                np.copyto(d.array[:s], arena[off: off + s])
+                if d.staged:
+                    d.finish(s)
+        return [s != P.MISSING for s in sizes]
+
+    def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:
+        with _pinned(conn, keys) as (offsets, sizes):
+            return [None if s == P.MISSING else conn.arena.buf[off: off + s].tobytes()
+                    for off, s in zip(offsets, sizes)]
+
+    # --- connection ------------------------------------------------------------------------
+
+    @contextmanager
+    def _request(self) -> Iterator[Connection]:
+        """Hold the lock and a live connection; map socket failures to ``StoreUnavailable``
+        and drop the connection whenever the stream may be out of step."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                yield conn
+            except (ProtocolError, AuthError):
+                self._drop()
+                raise
+            except (OSError, EOFError) as e:  # ConnectionError and socket timeouts included
+                self._drop()
+                raise StoreUnavailable(f"lost the kvstore daemon at {self.address}: {e!r}; the "
+                                       "operation may not have happened, retry or treat as a miss") from None
+            except KVStoreError:
+                raise  # a complete error answer (StoreFull, CorruptBlock): the stream is in step
+            except BaseException:
+                self._drop()  # anything else may have left a frame half read or written
+                raise
+
+    def _connection(self) -> Connection:
+        if self._closed:
+            raise StoreUnavailable(f"this Client for {self.address} is closed; create a new one")
+        if self._conn is None:
+            self._conn = Connection.open(self.address, token=self._token, timeout=self._timeout,
+                                         want=self._want, traffic=self._traffic)
+        return self._conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                conn.close()
+            except OSError:
+                pass
+

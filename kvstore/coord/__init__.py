@@ -1,0 +1,1 @@
+"""Coordination through etcd: the client, watches, the key layout, registration and membership."""

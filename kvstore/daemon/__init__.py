@@ -1,0 +1,1 @@
+"""`kvstore serve | stats | bench`: the daemon's configuration, metrics and command line."""

@@ -1,0 +1,280 @@
+"""``kvstore``: run a store node (``serve``), inspect one (``stats``), measure one (``bench``).
+
+``kvstore serve`` prints one readiness line once it accepts connections::
+
+    kvstore ready address=127.0.0.1:7700 node_id=<hex> arena=<shm name> metrics=<host:port|->
+
+On SIGTERM (or SIGINT) it stops accepting, deregisters from etcd, lets in-flight operations
+finish, closes the store (LMDB cleanly) and exits 0. Deregistering before the drain rather
+than after it keeps clients from picking a node that no longer accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
+
+__all__ = ["main", "Daemon"]
+
+log = logging.getLogger("kvstore")
+
+
+class Daemon:
+    """One store node: BlockStore + StoreServer + metrics + etcd registration.
+
+    ``start()`` first removes the stale arenas of dead daemons (``arena.remove_stale_arenas``),
+    then brings them up in that order and returns once the node accepts connections;
+    ``stop()`` takes them down (see the module docstring). No signal handlers here: the
+    caller owns the process.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = None
+        self.server = None
+        self.metrics = None
+        self.registration = None
+        self._thread: threading.Thread | None = None
+        self.node_id: str | None = None
+
+    def start(self) -> "Daemon":
+        from kvstore.node.arena import remove_stale_arenas
+        from kvstore.daemon.metrics import StoreMetrics
+        from kvstore.net.server import StoreServer, load_node_id
+        from kvstore.node.store import BlockStore, StoreConfig
+
+        c = self.config
+        self.node_id = load_node_id(c.ssd_path)
+        remove_stale_arenas()  # of daemons that died without unlinking theirs (arena.py)
+        self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
+                                            ssd_capacity_bytes=c.ssd_capacity_bytes,
+                                            gpu_memory_bytes=c.gpu_memory_bytes))
+        try:
+            self.server = StoreServer(self.store, host=c.host, port=c.port, node_id=self.node_id,
+                                      auth_token=c.auth_token, io_timeout=c.io_timeout)
+            self.metrics = StoreMetrics(self.store.stats, lambda: self.server.connection_count)
+            self.server.metrics = self.metrics
+            self.server.bind()
+            if c.metrics_port is not None:
+                self.metrics.serve(c.metrics_port, c.host)
+            self._thread = threading.Thread(target=self.server.serve_forever,
+                                            name="kvstore-accept", daemon=True)
+            self._thread.start()
+            if c.etcd:
+                self._register()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def advertised_address(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host, port = self.server.address
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _register(self) -> None:
+        from kvstore.coord.membership import Registration
+
+        c = self.config
+        tiers = ["host"] + (["ssd"] if c.ssd_path else []) + (["gpu"] if c.gpu_memory_bytes else [])
+        value = {"address": self.advertised_address(), "host_id": self.server.host_id,
+                 "node_id": self.node_id,
+                 "capacity": {"memory": c.memory_bytes, "ssd": c.ssd_capacity_bytes,
+                              "gpu": c.gpu_memory_bytes},
+                 "tiers": tiers}
+        self.registration = Registration(c.etcd, f"/{c.cluster}/stores/{self.node_id}", value,
+                                         ttl=c.registration_ttl).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop_accepting()
+        if self.registration is not None:
+            try:
+                self.registration.close()
+            except Exception:
+                log.exception("deregistering from etcd failed; the key expires with its lease")
+            self.registration = None
+        if self.server is not None:
+            self.server.shutdown(self.config.drain_timeout)
+            if self._thread is not None:
+                self._thread.join(timeout=2.0)
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = ServerConfig(
+        memory_bytes=parse_size(args.memory), host=args.host, port=args.port,
+        ssd_path=args.ssd_path, ssd_capacity_bytes=parse_size(args.ssd_capacity or 0),
+        gpu_memory_bytes=parse_size(args.gpu_memory or 0), etcd=args.etcd, cluster=args.cluster,
+        auth_token=args.auth_token or os.environ.get("KVSTORE_AUTH_TOKEN") or None,
+        metrics_port=args.metrics_port, advertise=args.advertise,
+        registration_ttl=args.registration_ttl,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    daemon = Daemon(config).start()
+    try:
+        metrics = f"{config.host}:{daemon.metrics.port}" if daemon.metrics.port else "-"
+        print(f"kvstore ready address={daemon.address} node_id={daemon.node_id} "
+              f"arena={daemon.store.arena.name} memory={format_size(config.memory_bytes)} "
+              f"metrics={metrics}", flush=True)
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping")
+    finally:
+        daemon.stop()
+    return 0
+
+
+def _format_stats(stats: dict[str, Any]) -> str:
+    lines = []
+    server = stats.get("server", {})
+    lines.append(f"node {server.get('node_id')} at {server.get('address')}: "
+                 f"{server.get('connections')} connection(s), up {server.get('uptime_s')} s")
+    store = stats.get("store", {})
+    tiers = {k: v for k, v in store.items() if isinstance(v, dict)}
+    if tiers:
+        cols = sorted({k for t in tiers.values() for k in t})
+        lines.append(f"{'tier':<6}" + "".join(f"{c:>16}" for c in cols))
+        for name, t in tiers.items():
+            row = []
+            for c in cols:
+                v = t.get(c, "")
+                row.append(format_size(v) if c.endswith("bytes") and isinstance(v, int) else str(v))
+            lines.append(f"{name:<6}" + "".join(f"{v:>16}" for v in row))
+    for k, v in store.items():
+        if not isinstance(v, dict) and v is not None:
+            lines.append(f"{k}: {format_size(v) if k.endswith('bytes') and isinstance(v, int) else v}")
+    return "\n".join(lines)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvstore.client.node import Client
+
+    with Client(args.address, auth_token=args.auth_token, timeout=args.timeout) as c:
+        stats = c.stats()
+    print(json.dumps(stats, indent=None if args.json else 2) if args.json else _format_stats(stats))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kvstore.client.node import Client
+
+    size, batch = parse_size(args.size), args.batch
+    rng = np.random.default_rng(args.seed)
+    values = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(batch)]
+    bufs = [np.empty(size, np.uint8) for _ in range(batch)]
+    result: dict[str, Any] = {"address": args.address, "block_bytes": size, "batch": batch}
+    with Client(args.address, auth_token=args.auth_token, transport=args.transport) as c:
+        result["transport"] = c.transport
+        put_s, get_s = [], []
+        for i in range(args.iters):
+            keys = [rng.bytes(16) for _ in range(batch)]
+            t0 = time.perf_counter()
+            c.put(keys, values)
+            t1 = time.perf_counter()
+            found = c.get(keys, bufs)
+            t2 = time.perf_counter()
+            c.delete(keys)
+            if not all(found):
+                print(f"warning: {found.count(False)} of {batch} blocks were evicted before the get",
+                      file=sys.stderr)
+            put_s.append(t1 - t0)
+            get_s.append(t2 - t1)
+    nbytes = size * batch
+    result["put_gbps"] = round(nbytes / min(put_s) / 1e9, 3)
+    result["get_gbps"] = round(nbytes / min(get_s) / 1e9, 3)
+    result["get_p50_ms"] = round(sorted(get_s)[len(get_s) // 2] * 1e3, 3)
+    print(json.dumps(result) if args.json else
+          f"{args.transport}->{result['transport']}: {batch} x {format_size(size)}: "
+          f"put {result['put_gbps']} GB/s, get {result['get_gbps']} GB/s "
+          f"(get p50 {result['get_p50_ms']} ms)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a store node")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    s.add_argument("--memory", default="1G", help="host arena size, e.g. 512M, 4G (default 1G)")
+    s.add_argument("--ssd-path", help="LMDB directory of the SSD tier (and the node's identity)")
+    s.add_argument("--ssd-capacity", help="SSD tier cap, e.g. 100G")
+    s.add_argument("--gpu-memory", help="optional CUDA tier size, e.g. 8G (needs a GPU)")
+    s.add_argument("--etcd", help="etcd endpoints URL to register with, e.g. http://127.0.0.1:2379")
+    s.add_argument("--cluster", default="kvstore", help="cluster name (etcd key prefix)")
+    s.add_argument("--auth-token", help="token clients must present (or KVSTORE_AUTH_TOKEN)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    s.add_argument("--advertise", help="host:port registered in etcd (default: the bound address)")
+    s.add_argument("--registration-ttl", type=float, metavar="SECONDS",
+                   default=ServerConfig.registration_ttl,
+                   help="etcd lease TTL: a dead node leaves etcd within it (whole seconds, "
+                        f"at least 1; kept alive every TTL/3; default {ServerConfig.registration_ttl:g})")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(fn=_serve)
+
+    for name, fn, doc in (("stats", _stats, "print a node's statistics"),
+                          ("bench", _bench, "quick put/get throughput against a node")):
+        c = sub.add_parser(name, help=doc)
+        c.add_argument("address", help="host:port of the daemon")
+        c.add_argument("--auth-token", default=None)
+        c.add_argument("--json", action="store_true", help="one JSON object instead of text")
+        c.add_argument("--timeout", type=float, default=5.0)
+        c.set_defaults(fn=fn, log_level="WARNING")
+        if name == "bench":
+            c.add_argument("--size", default="360K", help="block size (default 360K)")
+            c.add_argument("--batch", type=int, default=64)
+            c.add_argument("--iters", type=int, default=10)
+            c.add_argument("--transport", choices=("auto", "tcp"), default="auto")
+            c.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstore.errors import KVStoreError
+
+    try:
+        return args.fn(args)
+    except KVStoreError as e:
+        print(f"kvstore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"kvstore {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

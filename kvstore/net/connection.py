@@ -1,0 +1,151 @@
+"""``Connection``: one framed connection from a client to a store daemon.
+
+It owns the socket, the HELLO handshake, the optional mapping of the daemon's arena (the
+same-host shared-memory path) and request/response framing (``kvstore.net.protocol``). It is
+not thread-safe; ``Client`` serializes requests on it and replaces it after any failure.
+
+Its socket is set up by ``protocol.tune_socket`` (why each setting: see there); the
+``timeout`` bounds the connect and every later socket wait, and a timed-out call raises an
+``OSError``, which ``Client`` turns into ``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.net import protocol as P
+from kvstore.node.arena import Arena
+from kvstore.errors import ProtocolError, StoreUnavailable
+
+__all__ = ["Connection", "Traffic", "parse_address"]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) as a tuple."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"store address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class Traffic:
+    """Bytes written to and read from the sockets of one client, across reconnects."""
+
+    sent: int = 0
+    received: int = 0
+
+
+class Connection:
+    """A live, authenticated connection (``open``); ``arena`` is set on the shm path."""
+
+    __slots__ = ("sock", "hello", "arena", "arena_np", "rid", "_hdr", "_traffic", "_scratch")
+
+    def __init__(self, sock: socket.socket, traffic: Traffic) -> None:
+        self.sock = sock
+        self.hello: dict[str, Any] = {}
+        self.arena: Arena | None = None
+        self.arena_np: np.ndarray | None = None
+        self.rid = 0
+        self._hdr = memoryview(bytearray(P.HEADER_SIZE))
+        self._traffic = traffic
+        self._scratch: memoryview | None = None
+
+    @classmethod
+    def open(cls, address: str, *, token: str | None, timeout: float, want: str,
+             traffic: Traffic) -> "Connection":
+        """Connect, handshake and (unless ``want`` is ``"tcp"``) map the daemon's arena."""
+        try:
+            sock = socket.create_connection(parse_address(address), timeout=timeout)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot reach a kvstore daemon at {address} ({e}); "
+                                   "check that `kvstore serve` runs there and is reachable") from None
+        conn = cls(sock, traffic)
+        try:
+            P.tune_socket(sock, timeout)
+            _, meta = conn.exchange(P.Op.HELLO, P.pack_json(
+                {"token": token, "host_id": P.local_host_id(), "pid": os.getpid()}))
+            conn.hello = P.unpack_json(meta)
+        except (OSError, EOFError) as e:
+            sock.close()
+            raise StoreUnavailable(f"kvstore daemon at {address} dropped the handshake "
+                                   f"({e!r}); is it a kvstore daemon, and is it overloaded?") from None
+        except BaseException:
+            sock.close()
+            raise
+        if want != "tcp":
+            conn._attach()
+            if conn.arena is None and want == "shm":
+                conn.close()
+                raise StoreUnavailable(f"transport='shm' but the arena of {address} cannot be "
+                                       "mapped here (another host?); use transport='auto' or 'tcp'")
+        return conn
+
+    def _attach(self) -> None:
+        arena = self.hello.get("arena")
+        if not arena or self.hello.get("host_id") != P.local_host_id():
+            return
+        try:
+            mapped = Arena.attach(arena["name"])
+        except (OSError, ValueError):
+            return
+        if mapped.size != arena["size"]:
+            mapped.close()
+            return
+        self.arena = mapped
+        self.arena_np = np.frombuffer(mapped.buf, np.uint8)
+
+    def close(self) -> None:
+        self.arena_np = None
+        if self.arena is not None:
+            self.arena.close()
+        self.sock.close()
+
+    # --- framing ---------------------------------------------------------------------------
+
+    def exchange(self, op: P.Op, meta: bytes, data: list | None = None,
+                 keep_data: bool = False) -> tuple[P.Header, memoryview]:
+        """Send one request and read its response header and meta. With ``keep_data`` the
+        response's data is left on the socket for the caller to read (``recv``)."""
+        self.rid += 1
+        data_len = sum(d.nbytes for d in data) if data else 0
+        head = P.pack_header(op, 0, self.rid, len(meta), data_len)
+        if data:
+            P.send_buffers(self.sock, [head, meta, *data])
+        else:
+            self.sock.sendall(head + meta)
+        self._traffic.sent += P.HEADER_SIZE + len(meta) + data_len
+        self.recv([self._hdr])
+        h = P.unpack_header(self._hdr)
+        if h.request_id != self.rid or h.op != op or not h.flags & P.FLAG_RESPONSE:
+            raise ProtocolError(f"response (op {h.op}, id {h.request_id}) does not answer "
+                                f"request (op {int(op)}, id {self.rid})")
+        rmeta = memoryview(bytearray(h.meta_len))
+        self.recv([rmeta])
+        if h.flags & P.FLAG_ERROR:
+            raise P.error_from_meta(rmeta)
+        if h.data_len and not keep_data:
+            self.drain(h.data_len)
+        return h, rmeta
+
+    def send_oneway(self, op: P.Op, meta: bytes) -> None:
+        """A NO_REPLY request (only UNPIN): the daemon answers only if it fails, and then
+        the next response is out of step and the connection is dropped."""
+        self.rid += 1
+        self.sock.sendall(P.pack_header(op, P.FLAG_NO_REPLY, self.rid, len(meta)) + meta)
+        self._traffic.sent += P.HEADER_SIZE + len(meta)
+
+    def recv(self, views: list) -> None:
+        """Fill each writable view in order (scatter reads, as few syscalls as possible)."""
+        self._traffic.received += P.recv_buffers(self.sock, views)
+
+    def drain(self, nbytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 20))
+        P.drain(self.sock, nbytes, self._scratch)
+        self._traffic.received += nbytes

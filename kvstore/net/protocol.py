@@ -1,0 +1,344 @@
+"""The kvstore wire protocol: framed binary messages over one TCP connection.
+
+Every message, request or response, is one frame (all integers little-endian)::
+
+    offset size  field
+    0      4     magic        b"KVSP"
+    4      1     version      1
+    5      1     op           see ``Op``
+    6      2     flags        bit 0 RESPONSE, bit 1 ERROR, bit 2 NO_REPLY
+    8      8     request id   chosen by the client, echoed in the response
+    16     4     meta length  bytes of structured metadata that follow the header
+    20     4     reserved     0
+    24     8     data length  bytes of bulk block payload that follow the metadata
+    32     ...   meta, then data
+
+``meta`` holds keys, sizes and statuses; ``data`` is block values concatenated in key
+order, so the daemon can ``recv_into`` each value straight into its reserved arena slot and
+send each value straight from its pinned slot (no intermediate copy on either side).
+
+Requests are answered strictly in order, one response per request, with the same op and
+request id and the RESPONSE flag, except an UNPIN sent with NO_REPLY: it gets no response
+(a shared-memory get is then one round trip, PIN, plus a one-way UNPIN that the daemon
+applies before the connection's next request). A NO_REPLY UNPIN that fails is answered
+with an error frame and the connection is closed. Below, ``keys`` is ``u32 n`` then ``n`` 16-byte keys and
+``sizes`` is ``n`` u64; ``MISSING`` (2**64-1) marks an absent entry in a u64 array.
+
+==========  ==========================================  =====================================
+op          request meta / data                         response meta / data
+==========  ==========================================  =====================================
+HELLO 1     JSON {"token", "host_id" (hex), "pid"}      JSON {"node_id", "host_id", "arena":
+                                                        {"name", "size"}, "max_batch",
+                                                        "max_data"}
+PUT 2       keys, sizes / the values                    n u8 (1 stored, 0 already present)
+GET 3       keys                                        sizes (MISSING if absent) / the
+                                                        present values in key order
+CONTAINS 4  keys                                        n u8
+PREFIX_LEN 5 keys                                       u32
+DELETE 6    keys                                        u32 (blocks deleted)
+STATS 7     (empty)                                     JSON: the store's and server's stats
+RESERVE 8   keys, sizes                                 n u64 arena offsets (MISSING: already
+                                                        present, nothing to write)
+COMMIT 9    keys (reserved by this connection)          (empty)
+ABORT 10    keys (reserved by this connection)          (empty)
+PIN 11      keys                                        n u64 offsets, then sizes (MISSING
+                                                        if absent)
+UNPIN 12    keys (pinned by this connection)            (empty)
+==========  ==========================================  =====================================
+
+RESERVE/COMMIT/ABORT/PIN/UNPIN are the same-host shared-memory path: the client maps the
+daemon's arena (named in the HELLO response; used only when the HELLO host ids match and the
+mapping succeeds), writes or reads block bytes in place, and only keys and offsets cross the
+socket. Whatever a connection has reserved or pinned is released when it closes or dies.
+
+The first frame of a connection must be HELLO; with a daemon auth token the client's token
+must match, otherwise the daemon answers an AUTH error and closes the connection.
+
+Errors: a response with the ERROR flag carries ``u16 code`` then a UTF-8 message; the client
+raises the matching exception of ``kvstore.errors`` (``ErrorCode``), never an integer.
+A PUT that cannot fit fails as a whole with STORE_FULL and leaves nothing reserved.
+
+Limits: meta at most ``MAX_META`` bytes, at most ``MAX_BATCH`` keys per frame, data at most
+``MAX_DATA`` bytes (the daemon also rejects a PUT larger than its arena) and only on PUT
+requests. Bad input — wrong magic or version, an unknown op, an absurd length, a malformed
+meta, sizes that do not add up to the data length, a truncated frame (EOF or an I/O timeout
+mid-frame) — gets a PROTOCOL error frame where the stream is still readable, and the daemon
+then closes that one connection, releasing its reservations and pins. Every other connection
+is unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore.errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+from kvstore.keys import KEY_BYTES, BlockKey
+
+__all__ = [
+    "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "MAX_META", "MAX_BATCH", "MAX_DATA", "MISSING",
+    "FLAG_RESPONSE", "FLAG_ERROR", "FLAG_NO_REPLY", "Op", "ErrorCode", "Header",
+    "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
+    "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
+    "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
+    "tune_socket", "SOCKET_BUFFER",
+]
+
+MAGIC = b"KVSP"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIIQ")
+HEADER_SIZE = HEADER.size  # 32
+MAX_META = 16 << 20
+MAX_BATCH = 1 << 16
+MAX_DATA = 1 << 36
+MISSING = (1 << 64) - 1
+
+FLAG_RESPONSE = 0x1
+FLAG_ERROR = 0x2
+FLAG_NO_REPLY = 0x4
+
+_U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
+_IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024)
+SOCKET_BUFFER = 4 << 20
+
+
+class Op(IntEnum):
+    HELLO = 1
+    PUT = 2
+    GET = 3
+    CONTAINS = 4
+    PREFIX_LEN = 5
+    DELETE = 6
+    STATS = 7
+    RESERVE = 8
+    COMMIT = 9
+    ABORT = 10
+    PIN = 11
+    UNPIN = 12
+
+
+class ErrorCode(IntEnum):
+    PROTOCOL = 1
+    AUTH = 2
+    STORE_FULL = 3
+    CORRUPT = 4
+    UNAVAILABLE = 5
+    INTERNAL = 6
+
+
+_EXC_BY_CODE: dict[int, type[KVStoreError]] = {
+    ErrorCode.PROTOCOL: ProtocolError,
+    ErrorCode.AUTH: AuthError,
+    ErrorCode.STORE_FULL: StoreFull,
+    ErrorCode.CORRUPT: CorruptBlock,
+    ErrorCode.UNAVAILABLE: StoreUnavailable,
+    ErrorCode.INTERNAL: KVStoreError,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    flags: int
+    request_id: int
+    meta_len: int
+    data_len: int
+
+
+def pack_header(op: int, flags: int, request_id: int, meta_len: int, data_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, flags, request_id, meta_len, 0, data_len)
+
+
+def unpack_header(buf) -> Header:
+    """Parse and validate a frame header; raise ``ProtocolError`` on anything malformed."""
+    magic, version, op, flags, rid, meta_len, _, data_len = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r}, expected {MAGIC!r}: "
+                            "the peer does not speak the kvstore protocol")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this side speaks {VERSION}: "
+                            "run the same kvstore version on client and daemon")
+    if meta_len > MAX_META:
+        raise ProtocolError(f"frame meta of {meta_len} bytes exceeds the {MAX_META}-byte limit")
+    if data_len > MAX_DATA:
+        raise ProtocolError(f"frame data of {data_len} bytes exceeds the {MAX_DATA}-byte limit")
+    return Header(op, flags, rid, meta_len, data_len)
+
+
+def _check_count(n: int) -> None:
+    if n > MAX_BATCH:
+        raise ProtocolError(f"batch of {n} keys exceeds the {MAX_BATCH}-key limit; split it")
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    _check_count(len(keys))
+    return _U32.pack(len(keys)) + b"".join(keys)
+
+
+def _key_count(meta, per_key: int) -> int:
+    if len(meta) < 4:
+        raise ProtocolError("meta too short for a key count")
+    (n,) = _U32.unpack_from(meta, 0)
+    _check_count(n)
+    if len(meta) != 4 + n * per_key:
+        raise ProtocolError(f"meta of {len(meta)} bytes does not hold {n} keys")
+    return n
+
+
+def unpack_keys(meta) -> list[BlockKey]:
+    mv = memoryview(meta)
+    n = _key_count(mv, KEY_BYTES)
+    return [BlockKey(mv[4 + i * KEY_BYTES: 4 + (i + 1) * KEY_BYTES]) for i in range(n)]
+
+
+def pack_keys_sizes(keys: Sequence[bytes], sizes: Sequence[int]) -> bytes:
+    if len(keys) != len(sizes):
+        raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+    return pack_keys(keys) + np.asarray(sizes, dtype="<u8").tobytes()
+
+
+def unpack_keys_sizes(meta) -> tuple[list[BlockKey], list[int]]:
+    mv = memoryview(meta)
+    n = _key_count(mv, KEY_BYTES + 8)
+    keys = [BlockKey(mv[4 + i * KEY_BYTES: 4 + (i + 1) * KEY_BYTES]) for i in range(n)]
+    sizes = np.frombuffer(mv, "<u8", n, 4 + n * KEY_BYTES).tolist()
+    if any(s == 0 for s in sizes):
+        raise ProtocolError("a block of 0 bytes: every block value must be non-empty")
+    return keys, sizes
+
+
+def pack_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def unpack_json(meta) -> Any:
+    try:
+        return json.loads(bytes(meta))
+    except ValueError as e:
+        raise ProtocolError(f"malformed JSON meta: {e}") from None
+
+
+def pack_error(code: ErrorCode, message: str) -> bytes:
+    return _U16.pack(int(code)) + message.encode("utf-8", "replace")
+
+
+def error_from_meta(meta) -> KVStoreError:
+    """The exception an ERROR frame's meta stands for."""
+    if len(meta) < 2:
+        return ProtocolError("malformed error frame from the daemon")
+    (code,) = _U16.unpack_from(meta, 0)
+    cls = _EXC_BY_CODE.get(code, KVStoreError)
+    return cls(bytes(meta[2:]).decode("utf-8", "replace"))
+
+
+def error_code_for(exc: BaseException) -> ErrorCode:
+    for code, cls in _EXC_BY_CODE.items():
+        if cls is not KVStoreError and isinstance(exc, cls):
+            return ErrorCode(code)
+    return ErrorCode.INTERNAL
+
+
+# --- socket helpers shared by daemon and client --------------------------------------------
+
+
+def tune_socket(sock: socket.socket, timeout: float | None) -> None:
+    """Set a connected socket up for bulk transfers (daemon and client alike):
+
+    - ``TCP_NODELAY``: a request is one small frame; waiting for Nagle would add a delay.
+    - ``SO_RCVBUF``/``SO_SNDBUF`` of ``SOCKET_BUFFER`` bytes: fewer wake-ups per megabyte,
+      so a batch streams in fewer, larger ``recvmsg_into``/``sendmsg`` calls (Linux caps it
+      at ``net.core.rmem_max``/``wmem_max``).
+    - Blocking, with ``timeout`` as the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` rather than
+      Python's ``settimeout``, which turns every call into a ``poll`` plus a non-blocking
+      call (and a large ``sendmsg`` into many). A timed-out call raises an ``OSError``
+      (``BlockingIOError``); ``timeout`` None waits forever.
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF) if SOCKET_BUFFER else ():
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    sock.settimeout(None)
+    if timeout is not None:
+        sec = int(timeout)
+        tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; raise ``ConnectionError`` on EOF (a truncated frame)."""
+    recv_buffers(sock, [view])
+
+
+def _advance(bufs: list[memoryview], i: int, n: int) -> int:
+    """Account ``n`` bytes moved starting at ``bufs[i]``: drop the buffers they complete,
+    trim the one they end in (in place); return the index of the first unfinished buffer."""
+    while n:
+        b = bufs[i]
+        if n >= b.nbytes:
+            n -= b.nbytes
+            i += 1
+        else:
+            bufs[i] = b[n:]
+            n = 0
+    return i
+
+
+def recv_buffers(sock: socket.socket, views: list) -> int:
+    """Fill every writable view in order with as few syscalls as the kernel allows
+    (``recvmsg_into``, up to ``_IOV_MAX`` views a call); return the bytes read. Raise
+    ``ConnectionError`` on EOF (a truncated frame)."""
+    bufs = [v for v in (memoryview(b).cast("B") for b in views) if v.nbytes]
+    total = sum(v.nbytes for v in bufs)
+    i = 0
+    while i < len(bufs):
+        if i + 1 == len(bufs):  # one left: recv_into is the cheaper call
+            got = sock.recv_into(bufs[i])
+        else:
+            got = sock.recvmsg_into(bufs[i: i + _IOV_MAX])[0]
+        if got == 0:
+            left = sum(v.nbytes for v in bufs[i:])
+            raise ConnectionError(f"peer closed the connection {left} bytes short of a frame")
+        i = _advance(bufs, i, got)
+    return total
+
+
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and discard ``nbytes`` (keeps the stream framed after a rejected payload)."""
+    while nbytes > 0:
+        chunk = min(nbytes, scratch.nbytes)
+        recv_exact(sock, scratch[:chunk])
+        nbytes -= chunk
+
+
+def send_buffers(sock: socket.socket, buffers: list) -> None:
+    """Send every buffer in order with as few syscalls as the kernel allows (``sendmsg``)."""
+    bufs = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    i = 0
+    while i < len(bufs):
+        i = _advance(bufs, i, sock.sendmsg(bufs[i: i + _IOV_MAX]))
+
+
+def local_host_id() -> str:
+    """This machine's identity as the daemon and clients compare it (hex).
+
+    Same boot id and hostname: the same kernel and, in practice, the same ``/dev/shm``. A
+    client that matches still verifies that it can map the arena before it uses it.
+    """
+    import xxhash
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return xxhash.xxh3_128(boot + b"\0" + socket.gethostname().encode()).hexdigest()

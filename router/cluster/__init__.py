@@ -1,0 +1,1 @@
+"""`kvrouter up`: the local cluster launcher."""

@@ -1,0 +1,258 @@
+"""The live set of workers the router can use, fed by etcd membership.
+
+``WorkerPool.from_etcd(url, cluster)`` watches ``/{cluster}/workers/`` with
+``kvstore.coord.membership.Membership``. For every member it keeps a :class:`WorkerHandle`: the
+parsed :class:`WorkerInfo`, a :class:`WorkerClient`, the :class:`WorkerLoad` the policies read,
+and a task following the worker's event stream into the shared :class:`KvIndex`.
+
+- A worker that registers is usable as soon as the watch reports it (the watch thread wakes
+  the pool's loop; a poll every ``poll_interval`` backs it up): well within a second.
+- A worker whose key disappears (closed, or its lease expired) is dropped: its event task is
+  cancelled, its blocks leave the index, its client is closed.
+- A member whose value changes (a restart at a new address) is replaced.
+- When etcd is unreachable the membership keeps its last view, the pool keeps serving with
+  it, and ``etcd_healthy`` / ``health()`` say so.
+
+``StaticMembership`` is the same interface over a fixed list (no etcd): for colocated setups
+and tests. Everything here runs on one asyncio loop; only ``_wake`` crosses threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.api.generate import ApiValidationError, WorkerInfo
+from router.placement.kv_index import KvIndex
+from router.placement.policy import RateConfig, WorkerLoad
+from router.workers.client import WorkerClient
+
+__all__ = ["MembershipSource", "StaticMembership", "WorkerHandle", "WorkerPool"]
+
+log = logging.getLogger(__name__)
+
+
+class MembershipSource(Protocol):
+    """What the pool needs of a membership (``kvstore.coord.membership.Membership`` has it)."""
+
+    def start(self) -> Any: ...
+    def members(self) -> dict[str, dict[str, Any]]: ...
+    @property
+    def healthy(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class StaticMembership:
+    """A fixed member list: ``{worker_id: etcd-style value}``; always healthy."""
+
+    def __init__(self, workers: Iterable[WorkerInfo]) -> None:
+        self._members = {w.worker_id: {k: v for k, v in w.to_json().items() if k != "worker_id"}
+                         for w in workers}
+
+    def start(self) -> StaticMembership:
+        return self
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        return dict(self._members)
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One usable worker."""
+
+    info: WorkerInfo
+    client: WorkerClient
+    load: WorkerLoad
+    events_task: asyncio.Task[None]
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class WorkerPool:
+    """Workers discovered from a :class:`MembershipSource` (see the module docstring)."""
+
+    def __init__(self, source: MembershipSource | None = None, *, index: KvIndex | None = None,
+                 rates: RateConfig | None = None, poll_interval: float = 0.25,
+                 client_timeout: float = 5.0) -> None:
+        self.index = index if index is not None else KvIndex()
+        self._source = source
+        self._rates = rates or RateConfig()
+        self._poll_interval = poll_interval
+        self._client_timeout = client_timeout
+        self._workers: dict[str, WorkerHandle] = {}
+        self._values: dict[str, Mapping[str, Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._changed: asyncio.Condition | None = None
+
+    @classmethod
+    def from_etcd(cls, etcd: str, cluster: str, **kwargs: Any) -> WorkerPool:
+        """A pool watching ``/{cluster}/workers/`` on the etcd at ``etcd`` (a URL)."""
+        from kvstore.coord.membership import Membership
+
+        pool = cls(**kwargs)
+        pool._source = Membership(etcd, f"/{cluster}/workers/", on_change=lambda _c: pool._notify())
+        return pool
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> WorkerPool:
+        """Read the membership (raises if etcd cannot be reached now) and start watching."""
+        if self._source is None:
+            raise RuntimeError("WorkerPool needs a membership source (use WorkerPool.from_etcd)")
+        if self._task is not None:
+            raise RuntimeError("WorkerPool already started")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Condition()
+        await asyncio.to_thread(self._source.start)
+        await self._sync()
+        self._task = asyncio.create_task(self._run(), name="worker-pool")
+        return self
+
+    async def close(self) -> None:
+        """Stop watching, cancel every event task, close every client. Idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for wid in list(self._workers):
+            await self._drop(wid)
+        if self._source is not None:
+            await asyncio.to_thread(self._source.close)
+
+    # --- the view -------------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def prefill_workers(self, model: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self._workers.values()
+                if w.info.can_prefill and (model is None or w.info.model == model)]
+
+    def decode_workers(self, model: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self._workers.values()
+                if w.info.can_decode and (model is None or w.info.model == model)]
+
+    def models(self) -> dict[str, WorkerInfo]:
+        """Served model name → one of its workers' info (namespace, block size, context)."""
+        out: dict[str, WorkerInfo] = {}
+        for w in sorted(self._workers.values(), key=lambda h: h.worker_id):
+            out.setdefault(w.info.model, w.info)
+        return out
+
+    @property
+    def etcd_healthy(self) -> bool:
+        return self._source is not None and self._source.healthy
+
+    def health(self) -> dict[str, Any]:
+        """For ``/health``: membership source state and the workers by role."""
+        roles: dict[str, int] = {}
+        for w in self._workers.values():
+            roles[w.info.role] = roles.get(w.info.role, 0) + 1
+        return {
+            "membership": "ok" if self.etcd_healthy
+            else "etcd unreachable: serving with the last known membership",
+            "workers": len(self._workers),
+            "roles": roles,
+            "synced": sum(self.index.is_synced(wid) for wid in self._workers),
+        }
+
+    async def wait_for(self, predicate: Any, timeout: float) -> bool:
+        """Wait until ``predicate(pool)`` holds (re-checked on every change); False on timeout."""
+        assert self._changed is not None, "start() first"
+
+        async def waiter() -> None:
+            async with self._changed:  # type: ignore[union-attr]
+                await self._changed.wait_for(lambda: predicate(self))  # type: ignore[union-attr]
+
+        try:
+            await asyncio.wait_for(waiter(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # --- syncing --------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        """Called from the membership's watch thread."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_interval)
+            self._wake.clear()
+            try:
+                await self._sync()
+            except Exception:  # never let one bad sync stop discovery
+                log.exception("worker pool sync failed")
+
+    async def _sync(self) -> None:
+        assert self._source is not None and self._changed is not None
+        members = self._source.members()
+        changed = False
+        for wid in [w for w in self._values if w not in members and w not in self._workers]:
+            del self._values[wid]  # a bad registration that left
+        for wid in [w for w in self._workers if w not in members]:
+            log.info("worker %s left", wid)
+            await self._drop(wid)
+            changed = True
+        for wid, value in members.items():
+            if self._values.get(wid) == value:
+                continue
+            if wid in self._workers:
+                log.info("worker %s changed; reconnecting", wid)
+                await self._drop(wid)
+            self._values[wid] = value
+            try:
+                info = WorkerInfo.from_json(value, worker_id=wid)
+            except ApiValidationError as exc:
+                log.warning("ignoring worker %s: bad registration (%s)", wid, exc)
+                continue
+            self._add(info)
+            changed = True
+        if changed:
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _add(self, info: WorkerInfo) -> None:
+        client = WorkerClient(info, timeout=self._client_timeout)
+        load = WorkerLoad(info, self._rates)
+        self.index.add_worker(info.worker_id)
+        task = asyncio.create_task(client.follow_events(self.index, load.observe_load),
+                                   name=f"events:{info.worker_id}")
+        self._workers[info.worker_id] = WorkerHandle(info, client, load, task)
+        log.info("worker %s joined (%s at %s)", info.worker_id, info.role, info.address)
+
+    async def _drop(self, worker_id: str) -> None:
+        self._values.pop(worker_id, None)
+        handle = self._workers.pop(worker_id, None)
+        if handle is None:
+            return
+        handle.events_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handle.events_task
+        self.index.remove_worker(worker_id)
+        await handle.client.aclose()
