@@ -27,7 +27,7 @@ Contracts:
 - The engine's namespace id comes from the runner's facts (config, weights digest, dtype,
   block size, layout); a request's keys hash under it, salted by its ``cache_salt``.
 - ``on_kv_event`` receives the block manager's ``stored``/``removed`` events, and an optional
-  :class:`~engine.kv.connector_api.EngineConnector` is called by the scheduler. Single-threaded:
+  :class:`~engine.core.connector_api.EngineConnector` is called by the scheduler. Single-threaded:
   one thread calls ``add_request``/``abort``/``step``.
 """
 
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from engine.core.block_manager import BlockManager, KVEvent
-from engine.kv.connector_api import EngineConnector
+from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplerOutput, SamplingParams, sample, with_seed
 from engine.core.scheduler import Scheduler, SchedulerOutput

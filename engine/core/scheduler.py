@@ -30,7 +30,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
-from engine.kv.connector_api import EngineConnector
+from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplerOutput
 from engine.core.sequence import Sequence, SequenceStatus

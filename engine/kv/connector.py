@@ -17,7 +17,7 @@ Data path (keys and block ids; usable without an engine):
   with the next step's compute. ``flush(request_id)`` returns a future resolving to that
   request's ``SaveResult`` once every save queued for it so far is acknowledged or has failed.
 
-Engine side: the methods of ``engine.kv.connector_api.EngineConnector`` (``get_num_external_hits``,
+Engine side: the methods of ``engine.core.connector_api.EngineConnector`` (``get_num_external_hits``,
 ``load``, ``save``, ``request_finished``) map a ``Sequence`` onto the data path and keep a
 per-request tally (``take_load_result``) for the request's final stats. Which requests save
 is a policy: ``save_all`` (every request, e.g. a prefill or colocated worker) or only the ones

