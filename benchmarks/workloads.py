@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,9 +36,8 @@ __all__ = [
     "MixedSpec", "ChatSpec", "TraceSpec", "load_trace", "DEFAULT_TRACE",
 ]
 
-# ../shared/data/... relative to the repository
-DEFAULT_TRACE = Path(os.path.normpath(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-                                     / "mooncake_synthetic_trace.jsonl"))
+# Shipped in the repository (Apache-2.0, from kvcache-ai/Mooncake): benchmarks/data/README.md
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's block size
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from benchmarks.workloads import (
     DEFAULT_TRACE, ChatSpec, MixedSpec, TokenSpace, TraceSpec, block_tokens, poisson_arrivals,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 SPACE = TokenSpace(vocab_size=1000, token_low=10, max_context=512)
 
 
@@ -125,9 +128,24 @@ def test_trace_rate_rescales_time(tmp_path):
         TraceSpec(path=path, scale=30).build(None, 0, SPACE)
 
 
+def test_default_trace_ships_in_the_repository():
+    # A fresh clone has everything the benchmarks read: the trace, its licence and its source.
+    data = REPO / "benchmarks" / "data"
+    assert DEFAULT_TRACE.parent == data and DEFAULT_TRACE.is_file()
+    assert "Apache License" in (data / "LICENSE").read_text()
+    assert "kvcache-ai/Mooncake" in (data / "README.md").read_text()
+
+
+def test_nothing_reads_beside_the_repository():
+    # a shared/ folder beside the repository (as the trace once was): a clone has none
+    beside = re.compile(r"""\.\.["']?\s*/\s*["']?shared""")
+    offenders = [str(p.relative_to(REPO)) for d in ("benchmarks", "tests", "scripts", "kvstore", "engine", "router")
+                 for p in (REPO / d).rglob("*") if p.suffix in (".py", ".sh", ".toml", ".md") and p.is_file()
+                 and beside.search(p.read_text(errors="replace"))]
+    assert offenders == []
+
+
 def test_default_trace_window():
-    # The Mooncake trace lives in ../shared/data beside the repository (as in CI).
-    assert DEFAULT_TRACE.exists(), f"{DEFAULT_TRACE} is missing: check out shared/ beside the repo"
     space = TokenSpace(max_context=2048)
     wl = TraceSpec().build(None, 0, space)
     assert len(wl.requests) == 300 and 0 < len(wl.prewarm) < 1000
