@@ -9,15 +9,15 @@ Free blocks live in two queues:
   worth keeping, so they are reused first, most recently freed first (warm in caches).
 - *cached* free blocks: an LRU queue. A freed cached block keeps its key and can be hit again
   (which takes it out of the queue) until it is evicted for reuse, least recently freed first.
-  Tables are freed tail first, so within one sequence the tail is evicted before the head.
+  Tables are freed tail first, so within one request the tail is evicted before the head.
   ``OrderedDict`` gives O(1) removal from the middle (a hit on a free block).
 
 Events. When a block gets its key it emits ``KVEvent("stored", keys)``; when a cached block is
 evicted (its key dropped for reuse) it emits ``KVEvent("removed", keys)``; one event per call,
 keys in order. The worker server publishes them; here they are a plain callback.
 
-Contract with the scheduler: the manager owns blocks, the scheduler owns sequences. The manager
-never touches a :class:`Sequence`; it takes and returns block ids, and the scheduler writes
+Contract with the scheduler: the manager owns blocks, the scheduler owns requests. The manager
+never touches a :class:`Request`; it takes and returns block ids, and the scheduler writes
 block tables. ``lookup`` is side-effect free; ``allocate`` is all-or-nothing and returns None
 when the blocks do not fit (an expected outcome: the caller preempts or waits).
 """
@@ -144,7 +144,7 @@ class BlockManager:
         """Mark full, computed blocks as cached under their keys (``stored`` event).
 
         A block already cached keeps its key; a key already held by another block leaves this
-        block uncached (two sequences computed the same prefix at once; the first one wins).
+        block uncached (two requests computed the same prefix at once; the first one wins).
         """
         if not self.enable_prefix_caching:
             return

@@ -18,7 +18,7 @@ class EngineConfig:
 
     - ``num_blocks`` / ``block_size``: the paged KV cache (``block_size`` tokens per block; it is
       also the kvstore block size, so it is part of the namespace id).
-    - ``max_num_seqs``: most sequences running at once.
+    - ``max_num_seqs``: most requests running at once.
     - ``max_num_batched_tokens``: the per-step token budget (decodes + prefill chunks).
     - ``enable_chunked_prefill``: False is the "colocated without chunked prefill" baseline: a
       prompt is prefilled whole in one step, so it must fit the budget on its own.

@@ -20,13 +20,13 @@ per-request state (the worker server waits for save acknowledgements separately)
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from engine.core.sequence import Sequence
+    from engine.core.request import Request
 
 __all__ = ["EngineConnector"]
 
@@ -35,32 +35,32 @@ __all__ = ["EngineConnector"]
 class EngineConnector(Protocol):
     """What the scheduler needs from a KV connector. See the module docstring."""
 
-    def get_num_external_hits(self, seq: Sequence, num_device_hit_tokens: int) -> int:
-        """Tokens after the first ``num_device_hit_tokens`` of ``seq`` that the store holds.
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
+        """Tokens after the first ``num_device_hit_tokens`` of ``req`` that the store holds.
 
         A multiple of ``block_size`` (only full blocks are stored): the keys are
-        ``seq.block_keys[num_device_hit_tokens // block_size:]``. The scheduler caps the answer
+        ``req.block_keys[num_device_hit_tokens // block_size:]``. The scheduler caps the answer
         so at least the last initial token is computed. Side-effect free as far as the engine
         is concerned; a store that cannot be reached holds nothing (return 0, never raise).
         """
         ...
 
-    def load(self, seq: Sequence, block_ids: SequenceABC[int]) -> int:
+    def load(self, req: Request, block_ids: Sequence[int]) -> int:
         """Copy store blocks into ``block_ids``; return how many leading ones were loaded.
 
-        ``block_ids`` are ``seq``'s blocks starting at index
-        ``seq.num_computed_tokens // block_size``; their keys are
-        ``seq.block_keys[start:start + len(block_ids)]``. Only verified blocks may be written;
+        ``block_ids`` are ``req``'s blocks starting at index
+        ``req.num_computed_tokens // block_size``; their keys are
+        ``req.block_keys[start:start + len(block_ids)]``. Only verified blocks may be written;
         a missing or corrupt block ends the run (it and the rest are recomputed).
         """
         ...
 
     def save(
-        self, seq: Sequence, block_ids: SequenceABC[int], keys: SequenceABC[BlockKey]
+        self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]
     ) -> None:
         """Save these full, computed blocks under ``keys``; copy them out before returning."""
         ...
 
-    def request_finished(self, seq: Sequence) -> None:
-        """``seq`` finished or was aborted; its blocks are about to be freed."""
+    def request_finished(self, req: Request) -> None:
+        """``req`` finished or was aborted; its blocks are about to be freed."""
         ...

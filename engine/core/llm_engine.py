@@ -34,8 +34,7 @@ Contracts:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,7 +47,7 @@ from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplerOutput, SamplingParams, sample, with_seed
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.sequence import Sequence, SequenceStats
+from engine.core.request import Request, RequestProgress
 from kvstore.keys import BlockKey, namespace_id, salted
 
 __all__ = ["BlockKeyMismatch", "RequestOutput", "Completion", "Runner", "LLMEngine"]
@@ -79,7 +78,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     seed: int | None
-    stats: SequenceStats
+    stats: RequestProgress
 
 
 @dataclass
@@ -90,7 +89,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
-    stats: SequenceStats | None = None
+    stats: RequestProgress | None = None
 
 
 class LLMEngine:
@@ -152,18 +151,18 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: SequenceABC[int],
+        prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         *,
-        output_token_ids: SequenceABC[int] = (),
+        output_token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        block_keys: SequenceABC[BlockKey] | None = None,
+        block_keys: Sequence[BlockKey] | None = None,
     ) -> SamplingParams:
         """Queue a request; returns its parameters with the seed it will sample with."""
         params = params if params is not None else SamplingParams()
         self._validate(request_id, prompt_token_ids, output_token_ids, params)
-        seq = Sequence(
+        req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],
             with_seed(params),
@@ -173,23 +172,23 @@ class LLMEngine:
             arrival_time=arrival_time,
         )
         if block_keys is not None:
-            self._check_keys(seq, block_keys, cache_salt)
-        self.scheduler.add(seq)
-        return seq.sampling_params
+            self._check_keys(req, block_keys, cache_salt)
+        self.scheduler.add(req)
+        return req.sampling_params
 
     def prompt_block_keys(self, request_id: str) -> list[BlockKey]:
         """Keys of a live request's full prompt blocks (computed at admission, only read)."""
-        seq = self.scheduler.get(request_id)
-        if seq is None:
+        req = self.scheduler.get(request_id)
+        if req is None:
             raise KeyError(request_id)
-        return seq.prompt_block_keys
+        return req.prompt_block_keys
 
     def abort(self, request_id: str) -> bool:
         """Abort a request and free its blocks; its final output comes from the next step."""
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
             return False
-        self._pending.append(self._output(seq, []))
+        self._pending.append(self._output(req, []))
         return True
 
     def has_unfinished(self) -> bool:
@@ -217,16 +216,16 @@ class LLMEngine:
         if rows:  # partial prefill chunks' logits are dropped
             if len(rows) != len(plan.chunks):
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            seqs = [plan.chunks[i].seq for i in rows]
-            sampled = sample(logits, [s.sampling_params for s in seqs], [s.num_tokens for s in seqs])
-        for seq in self.scheduler.postprocess(plan, sampled):
-            outputs.append(self._output(seq, seq.token_ids[-1:]))
+            reqs = [plan.chunks[i].request for i in rows]
+            sampled = sample(logits, [s.sampling_params for s in reqs], [s.num_tokens for s in reqs])
+        for req in self.scheduler.postprocess(plan, sampled):
+            outputs.append(self._output(req, req.token_ids[-1:]))
         return outputs
 
     def generate(
         self,
-        prompts: SequenceABC[SequenceABC[int]],
-        params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run ``prompts`` to completion together (a convenience for tests and scripts)."""
         if params is None or isinstance(params, SamplingParams):
@@ -251,24 +250,24 @@ class LLMEngine:
     def _step_items(self, plan: SchedulerOutput) -> list:
         from engine.model.runner import StepItem
 
-        return [StepItem(c.token_ids, c.start_pos, c.seq.block_table) for c in plan.chunks]
+        return [StepItem(c.token_ids, c.start_pos, c.request.block_table) for c in plan.chunks]
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         logprobs = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = seq.output_logprobs[-1:] if new_tokens else []
+        if req.sampling_params.logprobs is not None:
+            logprobs = req.output_logprobs[-1:] if new_tokens else []
         return RequestOutput(
-            seq.request_id,
+            req.request_id,
             list(new_tokens),
             logprobs,
-            seq.is_finished,
-            seq.finish_reason,
-            seq.sampling_params.seed,
-            seq.stats,
+            req.is_finished,
+            req.finish_reason,
+            req.sampling_params.seed,
+            req.stats,
         )
 
-    def _check_keys(self, seq: Sequence, given: SequenceABC[BlockKey], salt: str | None) -> None:
-        ours = seq.prompt_block_keys
+    def _check_keys(self, req: Request, given: Sequence[BlockKey], salt: str | None) -> None:
+        ours = req.prompt_block_keys
         if list(given) == ours:
             return
         where = (f"{len(given)} keys given, {len(ours)} full prompt blocks here"
@@ -276,7 +275,7 @@ class LLMEngine:
                  next(f"block {i} differs (given {a.hex()}, computed {b.hex()})"
                       for i, (a, b) in enumerate(zip(given, ours, strict=True)) if a != b))
         raise BlockKeyMismatch(
-            f"request {seq.request_id!r}: block_keys do not match this worker's keys for the "
+            f"request {req.request_id!r}: block_keys do not match this worker's keys for the "
             f"prompt ({where}): the prefill worker and this one disagree on the model, the KV "
             f"layout or the cache salt (this worker's namespace is {self.namespace.hex()}"
             f"{', salted' if salt else ''}); refusing to load its blocks"
@@ -285,8 +284,8 @@ class LLMEngine:
     def _validate(
         self,
         request_id: str,
-        prompt: SequenceABC[int],
-        given: SequenceABC[int],
+        prompt: Sequence[int],
+        given: Sequence[int],
         params: SamplingParams,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:

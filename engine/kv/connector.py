@@ -18,7 +18,7 @@ Data path (keys and block ids; usable without an engine):
   request's ``SaveResult`` once every save queued for it so far is acknowledged or has failed.
 
 Engine side: the methods of ``engine.core.connector_api.EngineConnector`` (``get_num_external_hits``,
-``load``, ``save``, ``request_finished``) map a ``Sequence`` onto the data path and keep a
+``load``, ``save``, ``request_finished``) map a ``Request`` onto the data path and keep a
 per-request tally (``take_load_result``) for the request's final stats. Which requests save
 is a policy: ``save_all`` (every request, e.g. a prefill or colocated worker) or only the ones
 marked with ``require_save`` (a request in phase "prefill" on any worker).
@@ -46,7 +46,7 @@ from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from engine.core.sequence import Sequence as _Seq  # noqa: F401
+    from engine.core.request import Request
 
 __all__ = ["ConnectorStats", "LoadResult", "SaveResult", "KVStoreConnector", "torch_dtype_name"]
 
@@ -194,29 +194,29 @@ class KVStoreConnector:
 
     # --- the engine's EngineConnector protocol (engine thread) --------------------------------
 
-    def get_num_external_hits(self, seq: "_Seq", num_device_hit_tokens: int) -> int:
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
         """Tokens after the device hits whose blocks the store holds (whole blocks)."""
         if not self.load_enabled:
             return 0
         start = num_device_hit_tokens // self.block_size
-        return self.lookup(seq.block_keys[start:]) * self.block_size
+        return self.lookup(req.block_keys[start:]) * self.block_size
 
-    def load(self, seq: "_Seq", block_ids: Sequence[int]) -> int:
-        """Load ``seq``'s blocks from index ``num_computed_tokens // block_size`` on."""
-        start = seq.num_computed_tokens // self.block_size
-        this = self.load_blocks(seq.block_keys[start : start + len(block_ids)], block_ids)
-        prev = self._loads.get(seq.request_id)
+    def load(self, req: Request, block_ids: Sequence[int]) -> int:
+        """Load ``req``'s blocks from index ``num_computed_tokens // block_size`` on."""
+        start = req.num_computed_tokens // self.block_size
+        this = self.load_blocks(req.block_keys[start : start + len(block_ids)], block_ids)
+        prev = self._loads.get(req.request_id)
         # Loaded again after a preemption: the request's tally sums both.
-        self._loads[seq.request_id] = (this if prev is None else LoadResult(
+        self._loads[req.request_id] = (this if prev is None else LoadResult(
             *(a + b for a, b in zip(astuple(prev), astuple(this)))))
         return this.loaded
 
-    def save(self, seq: "_Seq", block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
-        if self.save_all or seq.request_id in self._must_save:
-            self.save_blocks(keys, block_ids, request_id=seq.request_id)
+    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        if self.save_all or req.request_id in self._must_save:
+            self.save_blocks(keys, block_ids, request_id=req.request_id)
 
-    def request_finished(self, seq: "_Seq") -> None:
-        self._must_save.discard(seq.request_id)
+    def request_finished(self, req: Request) -> None:
+        self._must_save.discard(req.request_id)
 
     def require_save(self, request_id: str) -> None:
         """Save this request's blocks even when ``save_all`` is off (a phase="prefill" request)."""

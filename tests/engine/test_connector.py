@@ -189,37 +189,37 @@ def test_bad_cache_shape_is_rejected():
 def test_engine_protocol_maps_a_sequence_onto_the_store():
     from engine.api.generate import SamplingParams
     from engine.core.connector_api import EngineConnector
-    from engine.core.sequence import Sequence
+    from engine.core.request import Request
 
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
-    seq = Sequence("r", list(range(3 * BS + 2)), SamplingParams(max_tokens=4),
+    req = Request("r", list(range(3 * BS + 2)), SamplingParams(max_tokens=4),
                    namespace=namespace_id({"test": "protocol"}), block_size=BS)
     saver = KVStoreConnector(store, src)
     assert isinstance(saver, EngineConnector)
-    saver.save(seq, [4, 5, 6], seq.block_keys[:3])
+    saver.save(req, [4, 5, 6], req.block_keys[:3])
     assert saver.flush("r").result(timeout=10).saved_blocks == 3
 
     loader = KVStoreConnector(store, dst, save_all=False)  # a decode worker's default
-    assert loader.get_num_external_hits(seq, 0) == 3 * BS
-    assert loader.get_num_external_hits(seq, BS) == 2 * BS  # after one device-hit block
-    seq.num_computed_tokens = BS
-    assert loader.load(seq, [9, 10]) == 2
+    assert loader.get_num_external_hits(req, 0) == 3 * BS
+    assert loader.get_num_external_hits(req, BS) == 2 * BS  # after one device-hit block
+    req.num_computed_tokens = BS
+    assert loader.load(req, [9, 10]) == 2
     assert torch.equal(dst[:, :, 9], src[:, :, 5]) and torch.equal(dst[:, :, 10], src[:, :, 6])
     result = loader.take_load_result("r")
     assert result.loaded == 2 and result.bytes == 2 * L * 2 * BS * H * D * 4
     assert loader.take_load_result("r").loaded == 0  # handed over once
 
-    del store.data[bytes(seq.block_keys[1])]
-    loader.save(seq, [9], seq.block_keys[1:2])  # not saved: save_all is off ...
+    del store.data[bytes(req.block_keys[1])]
+    loader.save(req, [9], req.block_keys[1:2])  # not saved: save_all is off ...
     assert loader.flush("r").result(timeout=10).saved_blocks == 0
     loader.require_save("r")  # ... unless the request is a prefill handoff
-    loader.save(seq, [9], seq.block_keys[1:2])
+    loader.save(req, [9], req.block_keys[1:2])
     assert loader.flush("r").result(timeout=10).saved_blocks == 1
-    assert bytes(seq.block_keys[1]) in store.data
+    assert bytes(req.block_keys[1]) in store.data
     loader.close()
 
-    assert KVStoreConnector(store, dst, load_enabled=False).get_num_external_hits(seq, 0) == 0
+    assert KVStoreConnector(store, dst, load_enabled=False).get_num_external_hits(req, 0) == 0
 
 
 def test_present_blocks_are_acknowledged_without_shipping_bytes(keys):

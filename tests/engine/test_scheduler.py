@@ -6,7 +6,7 @@ so what is asserted is exactly the scheduler's plan and its bookkeeping.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 
 import pytest
 
@@ -14,7 +14,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplerOutput, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.request import Request, RequestStatus
 from kvstore.keys import BlockKey, namespace_id
 
 NS = namespace_id({"test": "scheduler"})
@@ -28,9 +28,9 @@ def make(num_blocks: int = 32, **cfg) -> Scheduler:
     return Scheduler(config, bm, max_model_len=4096, eos_token_ids=[EOS])
 
 
-def seq(rid: str, n: int, t: float, max_tokens: int = 8, first: int = 1, **kw) -> Sequence:
+def new_request(rid: str, n: int, t: float, max_tokens: int = 8, first: int = 1, **kw) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-    return Sequence(rid, list(range(first, first + n)), params, namespace=NS, block_size=BS,
+    return Request(rid, list(range(first, first + n)), params, namespace=NS, block_size=BS,
                     arrival_time=t)
 
 
@@ -42,18 +42,18 @@ def step(s: Scheduler, token: int = 5) -> SchedulerOutput:
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(c.seq.request_id, c.start_pos, c.num_tokens) for c in out.chunks]
+    return [(c.request.request_id, c.start_pos, c.num_tokens) for c in out.chunks]
 
 
 def test_chunked_prefill_respects_the_budget() -> None:
     s = make(max_num_batched_tokens=8)
-    a = seq("a", 20, 0.0)
+    a = new_request("a", 20, 0.0)
     s.add(a)
     assert plan(step(s)) == [("a", 0, 8)]
     assert a.num_tokens == 20 and a.num_computed_tokens == 8
     assert plan(step(s)) == [("a", 8, 8)]
     out = step(s)
-    assert plan(out) == [("a", 16, 4)] and out.sampled_chunks[0].seq is a
+    assert plan(out) == [("a", 16, 4)] and out.sampled_chunks[0].request is a
     assert a.output_token_ids == [5]
     assert plan(step(s)) == [("a", 20, 1)]
     assert a.stats.computed_prompt_tokens == 20
@@ -62,23 +62,23 @@ def test_chunked_prefill_respects_the_budget() -> None:
 
 def test_decodes_come_first_and_prefill_fills_the_rest() -> None:
     s = make(max_num_batched_tokens=8)
-    a, b = seq("a", 3, 0.0), seq("b", 30, 1.0, first=100)
+    a, b = new_request("a", 3, 0.0), new_request("b", 30, 1.0, first=100)
     s.add(a)
     s.add(b)
     out = step(s)
     assert plan(out) == [("a", 0, 3), ("b", 0, 5)]
     for start in (5, 12, 19, 26):
         out = step(s)
-        assert out.chunks[0].seq is a and out.chunks[0].num_tokens == 1
+        assert out.chunks[0].request is a and out.chunks[0].num_tokens == 1
         assert out.num_batched_tokens <= 8
         assert plan(out)[1] == ("b", start, min(7, 30 - start))
 
 
 def test_unchunked_prompt_waits_until_it_fits_whole() -> None:
     s = make(max_num_batched_tokens=16, enable_chunked_prefill=False)
-    s.add(seq("a", 10, 0.0))
-    s.add(seq("b", 10, 1.0, first=100))
-    s.add(seq("c", 2, 2.0, first=200))
+    s.add(new_request("a", 10, 0.0))
+    s.add(new_request("b", 10, 1.0, first=100))
+    s.add(new_request("c", 2, 2.0, first=200))
     assert plan(step(s)) == [("a", 0, 10)]  # b does not fit the 6 left; c waits behind b (FCFS)
     assert plan(step(s)) == [("a", 10, 1), ("b", 0, 10), ("c", 0, 2)]
 
@@ -86,24 +86,24 @@ def test_unchunked_prompt_waits_until_it_fits_whole() -> None:
 def test_max_num_seqs_caps_admission() -> None:
     s = make(max_num_seqs=2)
     for i in range(3):
-        s.add(seq(f"r{i}", 4, float(i)))
+        s.add(new_request(f"r{i}", 4, float(i)))
     out = step(s)
-    assert [c.seq.request_id for c in out.chunks] == ["r0", "r1"]
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"]
     assert len(s.running) == 2 and len(s.waiting) == 1
 
 
 def test_prefix_cache_hit_skips_full_blocks_but_not_the_last_token() -> None:
     s = make()
-    a = seq("a", 10, 0.0, max_tokens=1)
+    a = new_request("a", 10, 0.0, max_tokens=1)
     s.add(a)
     step(s)
     assert a.is_finished and a.finish_reason == "length"
     assert s.block_manager.num_free_blocks == 32
-    b = seq("b", 10, 1.0)
+    b = new_request("b", 10, 1.0)
     s.add(b)
     assert plan(step(s)) == [("b", 8, 2)]
     assert b.stats.device_hit_tokens == 8 and b.stats.computed_prompt_tokens == 2
-    c = seq("c", 8, 2.0)  # exactly two full blocks: the last token must still be computed
+    c = new_request("c", 8, 2.0)  # exactly two full blocks: the last token must still be computed
     s.add(c)
     out = step(s)
     assert ("c", 4, 4) in plan(out)
@@ -113,17 +113,17 @@ def test_prefix_cache_hit_skips_full_blocks_but_not_the_last_token() -> None:
 
 def test_preemption_picks_the_latest_arrival_and_recomputes_it() -> None:
     s = make(num_blocks=4, max_num_batched_tokens=64)
-    a, b = seq("a", 4, 0.0, max_tokens=8), seq("b", 4, 1.0, max_tokens=8, first=50)
+    a, b = new_request("a", 4, 0.0, max_tokens=8), new_request("b", 4, 1.0, max_tokens=8, first=50)
     s.add(a)
     s.add(b)
-    preempted: list[Sequence] = []
+    preempted: list[Request] = []
     while not preempted:
         out = step(s)
         preempted = out.preempted
     assert preempted == [b]
-    assert b.status is SequenceStatus.WAITING and s.waiting[0] is b
+    assert b.status is RequestStatus.WAITING and s.waiting[0] is b
     assert b.block_table == [] and b.num_computed_tokens == 0 and b.stats.num_preemptions == 1
-    assert [c.seq for c in out.chunks] == [a]  # nothing admitted in a step that preempted
+    assert [c.request for c in out.chunks] == [a]  # nothing admitted in a step that preempted
     while s.has_unfinished():
         step(s)
     assert a.output_token_ids == [5] * 8 and b.output_token_ids == [5] * 8
@@ -133,7 +133,7 @@ def test_preemption_picks_the_latest_arrival_and_recomputes_it() -> None:
 
 def test_abort_frees_everything_and_is_idempotent() -> None:
     s = make(num_blocks=8, max_num_batched_tokens=8)
-    a, b, c = seq("a", 12, 0.0), seq("b", 3, 1.0), seq("c", 3, 2.0)
+    a, b, c = new_request("a", 12, 0.0), new_request("b", 3, 1.0), new_request("c", 3, 2.0)
     for x in (a, b, c):
         s.add(x)
     step(s)  # a takes the whole budget; b, c wait
@@ -146,7 +146,7 @@ def test_abort_frees_everything_and_is_idempotent() -> None:
 
 def test_stop_conditions() -> None:
     s = make()
-    a, b, c = seq("a", 3, 0.0), seq("b", 3, 1.0, stop_token_ids=(7,), ignore_eos=True), seq("c", 3, 2.0, ignore_eos=True, max_tokens=2)
+    a, b, c = new_request("a", 3, 0.0), new_request("b", 3, 1.0, stop_token_ids=(7,), ignore_eos=True), new_request("c", 3, 2.0, ignore_eos=True, max_tokens=2)
     for x in (a, b, c):
         s.add(x)
     step(s, token=EOS)
@@ -166,19 +166,19 @@ class FakeConnector:
         self.saved: list[BlockKey] = []
         self.finished: list[str] = []
 
-    def get_num_external_hits(self, seq: Sequence, num_device_hit_tokens: int) -> int:
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
         return max(0, self.stored * BS - num_device_hit_tokens)
 
-    def load(self, seq: Sequence, block_ids: SequenceABC[int]) -> int:
+    def load(self, req: Request, block_ids: Sequence[int]) -> int:
         self.loads.append(list(block_ids))
         return min(self.load_ok, len(block_ids))
 
-    def save(self, seq: Sequence, block_ids: SequenceABC[int], keys: SequenceABC[BlockKey]) -> None:
-        assert [seq.block_keys.index(k) for k in keys] == [seq.block_table.index(b) for b in block_ids]
+    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        assert [req.block_keys.index(k) for k in keys] == [req.block_table.index(b) for b in block_ids]
         self.saved.extend(keys)
 
-    def request_finished(self, seq: Sequence) -> None:
-        self.finished.append(seq.request_id)
+    def request_finished(self, req: Request) -> None:
+        self.finished.append(req.request_id)
 
 
 def with_connector(conn: FakeConnector) -> Scheduler:
@@ -189,7 +189,7 @@ def with_connector(conn: FakeConnector) -> Scheduler:
 def test_external_hits_are_loaded_and_only_new_blocks_are_offered() -> None:
     conn = FakeConnector(stored=8, load_ok=8)
     s = with_connector(conn)
-    a = seq("a", 18, 0.0, max_tokens=4)
+    a = new_request("a", 18, 0.0, max_tokens=4)
     s.add(a)
     assert plan(step(s)) == [("a", 16, 2)]  # 4 blocks loaded (capped: the store had 8)
     assert conn.loads == [a.block_table[:4]] and a.stats.external_hit_tokens == 16
@@ -204,14 +204,14 @@ def test_external_hits_are_loaded_and_only_new_blocks_are_offered() -> None:
 def test_a_short_load_is_recomputed_and_offered() -> None:
     conn = FakeConnector(stored=4, load_ok=1)
     s = with_connector(conn)
-    a = seq("a", 18, 0.0, max_tokens=1)
+    a = new_request("a", 18, 0.0, max_tokens=1)
     s.add(a)
     assert plan(step(s)) == [("a", 4, 14)]
     assert a.stats.external_hit_tokens == 4 and a.stats.computed_prompt_tokens == 14
     assert conn.saved == a.block_keys[1:4]
     # A second request hits the device cache; those blocks are offered, none twice within it.
     conn.saved.clear()
-    b = seq("b", 18, 1.0, max_tokens=1)
+    b = new_request("b", 18, 1.0, max_tokens=1)
     s.add(b)
     assert plan(step(s)) == [("b", 16, 2)]
     assert b.stats.device_hit_tokens == 16 and conn.saved == b.block_keys[:4]
@@ -221,7 +221,7 @@ def test_a_short_load_is_recomputed_and_offered() -> None:
 def test_budget_is_never_exceeded_under_load(chunked: bool) -> None:
     s = make(num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=chunked)
     for i in range(10):
-        s.add(seq(f"r{i}", 3 + (i * 5) % 13, float(i), max_tokens=3 + i % 4))
+        s.add(new_request(f"r{i}", 3 + (i * 5) % 13, float(i), max_tokens=3 + i % 4))
     steps = 0
     while s.has_unfinished():
         out = step(s)

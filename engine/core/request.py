@@ -1,6 +1,6 @@
-"""Sequence: one request's state inside the engine.
+"""Request: one request's state inside the engine (vLLM V1's name for it).
 
-A sequence carries its token ids (prompt, then outputs), its sampling parameters, its block
+A request carries its token ids (prompt, then outputs), its sampling parameters, its block
 table in the paged KV cache, how many of its tokens are in that cache (``num_computed_tokens``),
 and its kvstore :class:`BlockKey` s. Keys are computed incrementally as tokens arrive (one
 ``xxh3_128`` per block that fills, chained from the previous key) and never recomputed: the
@@ -11,7 +11,7 @@ a prefill->decode handoff or a resume) are its *initial* tokens; the engine comp
 a prompt and generates from position ``num_initial_tokens``. Given output tokens count against
 ``max_tokens``.
 
-Only the scheduler mutates a sequence (statuses, block table, computed tokens, appended
+Only the scheduler mutates a request (statuses, block table, computed tokens, appended
 tokens); everything else reads it.
 """
 
@@ -19,23 +19,23 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.api.generate import SamplingParams, TokenLogprob
 from kvstore.keys import BlockKey, block_keys, extend_block_keys
 
-__all__ = ["SequenceStatus", "SequenceStats", "Sequence"]
+__all__ = ["RequestStatus", "RequestProgress", "Request"]
 
 
-class SequenceStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass
-class SequenceStats:
+class RequestProgress:
     """Counters and timeline of one request (``time.perf_counter`` seconds).
 
     Token counters sum over admissions (a preempted request is admitted again):
@@ -69,18 +69,18 @@ def _span(start: float | None, end: float | None) -> float:
     return 0.0 if start is None or end is None else max(0.0, end - start)
 
 
-class Sequence:
+class Request:
     """One request. ``namespace`` is the (already salted) namespace its keys hash under."""
 
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: SequenceABC[int],
+        prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         *,
         namespace: BlockKey,
         block_size: int,
-        output_token_ids: SequenceABC[int] = (),
+        output_token_ids: Sequence[int] = (),
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -90,7 +90,7 @@ class Sequence:
         self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_initial_tokens = len(self.token_ids)
-        self.status = SequenceStatus.WAITING
+        self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -98,7 +98,7 @@ class Sequence:
         self.num_offered_blocks = 0
         self.output_logprobs: list[TokenLogprob] = []
         self.block_keys: list[BlockKey] = block_keys(namespace, self.token_ids, block_size)
-        self.stats = SequenceStats()
+        self.stats = RequestProgress()
         if arrival_time is not None:
             self.stats.arrival_time = arrival_time
 
@@ -122,7 +122,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     @property
     def is_prefill(self) -> bool:
@@ -136,7 +136,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
 
