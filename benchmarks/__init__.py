@@ -8,6 +8,16 @@
     out = asyncio.run(run_workload(wl.requests, ClientConfig("http://127.0.0.1:8000", "model")))
     print(summarize(out.results, out.duration_s, Slo(ttft_s=0.5, tpot_s=0.05)))
 
-Command lines: ``python -m benchmarks.serve_bench`` (one run) and ``python -m benchmarks.sweep``
-(rates x configurations, with plots).
+Every benchmark runs the same way, as a module from the repository root (``--help`` lists its
+flags)::
+
+    .venv/bin/python -m benchmarks.store_bench      # the store daemon: put/get throughput
+    .venv/bin/python -m benchmarks.router_bench     # one routing decision vs index size
+    .venv/bin/python -m benchmarks.engine_bench     # ModelRunner vs transformers
+    .venv/bin/python -m benchmarks.attention_bench  # native decode kernel vs torch
+    .venv/bin/python -m benchmarks.save_overlap_bench  # prefill with and without saving to the store
+    .venv/bin/python -m benchmarks.serve_bench      # one serving run against an endpoint
+    .venv/bin/python -m benchmarks.sweep            # rates x configurations, with plots
+    .venv/bin/python -m benchmarks.compare          # the four serving configurations, one run
+    .venv/bin/python -m benchmarks.compare_report   # tables and a PNG from a compare run
 """

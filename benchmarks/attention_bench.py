@@ -4,7 +4,7 @@ One layer of the default model's shapes (9 query heads, 3 KV heads, head_dim 64,
 16), a batch of sequences with 512-544 keys each in scattered blocks; both paths on the same
 inputs in one run, medians of 30 calls, the largest difference between their outputs.
 
-    .venv/bin/python benchmarks/attention_bench.py            # a few seconds
+    .venv/bin/python -m benchmarks.attention_bench            # a few seconds
 """
 
 from __future__ import annotations
@@ -56,12 +56,16 @@ def case(n: int, ctx: int, heads: int = 9, kvh: int = 3, hd: int = 64, bs: int =
             "speedup": t_torch / t_native, "max_abs_diff": diff}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--keys", type=int, default=544)
-    p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes (default %(default)s)")
+    p.add_argument("--keys", type=int, default=544, help="context length in tokens of every sequence (default 544)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     status = native.native_status()

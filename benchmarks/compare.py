@@ -257,17 +257,23 @@ def _brief(rec: dict[str, Any], name: str) -> dict[str, Any]:
          if k in ("rate", "tpot_p99", "ttft_p50", "attainment", "goodput", "cached_fraction")} for p in cfg["curve"]]}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="results/compare")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/compare", help="run directory (default %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="mixed + quiet + one trace rate at 25 s points (~6.5 min on 2 CPUs)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated configurations to run, in order (default %(default)s)")
     p.add_argument("--parts", default=None,
                    help="comma-separated (default: mixed,mixed_quiet,trace,multi_turn,long_hit; quick: the plan's)")
-    p.add_argument("--port", type=int, default=8390)
+    p.add_argument("--port", type=int, default=8390, help="the router port of every configuration (default 8390)")
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wanted = (args.parts or ",".join([lbl for _, lbl, _ in parts(args.quick)]

@@ -279,12 +279,16 @@ def plot(fig_data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare_report", description=__doc__.split("\n")[0])
+    p.add_argument("out", help="a benchmarks.compare run directory (its --out)")
+    p.add_argument("--png", default=None, help="also write the plot here")
+    p.add_argument("--json", default=None, help="also write the figures, without per-request data, here")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out")
-    p.add_argument("--png", default=None)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     figures = collect(Path(args.out))
     print(tables(figures))
     if args.png:

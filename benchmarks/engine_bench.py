@@ -4,7 +4,7 @@ Prefill tokens/s at prompt lengths 128 .. 4096, decode tokens/s at batch 1, 8, 3
 sequence with a 512-token prompt), both implementations on the same seeded prompts, dtype and
 threads. Prints one JSON line (machine, settings, results, ratios) and writes a PNG.
 
-    python benchmarks/engine_bench.py [--quick] [--threads N] [--png engine_bench.png]
+    .venv/bin/python -m benchmarks.engine_bench [--quick] [--threads N] [--png engine_bench.png]
 
 Targets: ours >= transformers at batch 1; our batch-32 decode >= 8x our batch-1 decode.
 """
@@ -31,15 +31,20 @@ def _timeit(fn, repeat: int) -> float:
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short prompts, few steps")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--png", default="engine_bench.png")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch intra-op threads for both implementations (default: all CPUs)")
+    parser.add_argument("--device", default=None, help="cpu | cuda[:N] (default: the runner's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--png", default="engine_bench.png", help="where to write the plot (default %(default)s)")
     parser.add_argument("--only", choices=["prefill", "decode"], help="run one half (both by default)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 

@@ -2,7 +2,7 @@
 
 One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
 
-    .venv/bin/python benchmarks/router_bench.py --out benchmarks/results [--quick] [--peer dynamo]
+    .venv/bin/python -m benchmarks.router_bench --out benchmarks/results [--quick] [--peer dynamo]
 
 Eight prefill workers, block size 16. For each index size (distinct block keys in
 :class:`~router.placement.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
@@ -58,14 +58,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.api.generate import WorkerInfo
+from engine.api.events import BlockEvent, LoadFigures, Snapshot
+from kvstore.keys import block_keys, extend_block_keys
+from router.placement.kv_index import KvIndex
+from router.placement.policy import PrefillPolicy, WorkerLoad
 
-from engine.api.generate import WorkerInfo  # noqa: E402
-from engine.api.events import BlockEvent, LoadFigures, Snapshot  # noqa: E402
-from kvstore.keys import block_keys, extend_block_keys  # noqa: E402
-from router.placement.kv_index import KvIndex  # noqa: E402
-from router.placement.policy import PrefillPolicy, WorkerLoad  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BLOCK = 16
 WORKERS = 8
@@ -376,18 +375,24 @@ def time_prep(lengths: list[int], n: int, seed: int, peer: DynamoPeer | None) ->
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.router_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
+                    help="directory for router_bench.png (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer queries (< 1 min)")
     ap.add_argument("--sizes", type=int, nargs="+", help="index sizes in distinct blocks")
     ap.add_argument("--prompts", type=int, nargs="+", help="prompt lengths in tokens")
     ap.add_argument("--queries", type=int, help="queries per cell")
     ap.add_argument("--rounds", type=int, help="timed rounds per cell (median of rounds)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
     ap.add_argument("--peer", choices=["dynamo"], help="also run NVIDIA Dynamo's RadixTree")
-    ap.add_argument("--dynamo-python", type=Path, default=DYNAMO_PYTHON_DEFAULT)
-    args = ap.parse_args()
+    ap.add_argument("--dynamo-python", type=Path, default=DYNAMO_PYTHON_DEFAULT,
+                    help="Python of Dynamo's own venv (default %(default)s)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.sizes = args.sizes or ([1_000, 10_000] if args.quick else [1_000, 10_000, 100_000])
     args.prompts = args.prompts or ([512, 2048] if args.quick else [512, 2048, 8192])
     args.queries = args.queries or (200 if args.quick else 1000)

@@ -15,7 +15,7 @@ Fresh prompts every run, so nothing hits a cache. Prints one JSON line:
   saver thread included). On a shared machine, where other load swings wall times by more
   than the effect, these are the figures to read.
 
-    .venv/bin/python benchmarks/save_overlap_bench.py --model default --prompt-len 512
+    .venv/bin/python -m benchmarks.save_overlap_bench --model default --prompt-len 512
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
@@ -51,16 +50,21 @@ def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("kvstore serve did not start")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--prompts", type=int, default=1)
-    ap.add_argument("--chunk", type=int, default=128, help="max_num_batched_tokens")
-    ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.save_overlap_bench",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
+    ap.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default 512)")
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per run (default 1)")
+    ap.add_argument("--chunk", type=int, default=128, help="max_num_batched_tokens (default 128)")
+    ap.add_argument("--reps", type=int, default=8, help="runs per mode, medians taken (default 8)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     import torch
 

@@ -64,35 +64,41 @@ def spec_from_args(args: argparse.Namespace, cls: type, prefix: str) -> Any:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Workload, client and objective flags shared by ``serve_bench`` and ``sweep``."""
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed",
+                        help="mixed: short decode-heavy requests and rare huge prefills; multi_turn: chat sessions "
+                             "sharing their history; trace: a window of the Mooncake "
+                             "trace (default mixed)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="mixed: requests (default 200); others: at most this many open-loop requests")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and its arrivals")
     default = {f.name: f.default for f in dataclasses.fields(ClientConfig)}  # defaults live there
     parser.add_argument("--max-duration", type=float, default=default["max_duration_s"],
                         help="send nothing after this many seconds")
     parser.add_argument("--grace", type=float, default=default["grace_s"],
                         help="cancel what is in flight this long after that")
-    parser.add_argument("--request-timeout", type=float, default=default["request_timeout_s"])
+    parser.add_argument("--request-timeout", type=float, default=default["request_timeout_s"],
+                        help="seconds one request may take before it counts as failed (default %(default)s)")
     parser.add_argument("--max-concurrency", type=int, default=default["max_concurrency"],
                         help="0: unbounded (open loop)")
-    parser.add_argument("--prewarm-concurrency", type=int, default=4)
+    parser.add_argument("--prewarm-concurrency", type=int, default=4,
+                        help="requests in flight while sending the pre-warm set, untimed (default 4)")
     parser.add_argument("--salt-per-request", action="store_true",
                         help="a cache_salt of its own for every request (a per-run nonce + its id): "
                              "no prefix reuse between requests, nor with an earlier run of the same prompts")
-    parser.add_argument("--ttft-slo-ms", type=float, default=None)
-    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="time-to-first-token objective (ms)")
+    parser.add_argument("--tpot-slo-ms", type=float, default=None, help="time-per-output-token objective (ms)")
     parser.add_argument("--ttft-slo-per-token-ms", type=float, default=0.0,
                         help="with --ttft-slo-ms: the TTFT objective grows this much per prompt token "
                              "beyond --ttft-slo-ref-tokens")
-    parser.add_argument("--ttft-slo-ref-tokens", type=int, default=0)
+    parser.add_argument("--ttft-slo-ref-tokens", type=int, default=0,
+                        help="prompt length at which the TTFT objective is --ttft-slo-ms (default 0)")
     parser.add_argument("--ttft-slo-per-length", action="store_true",
                         help="unloaded objectives: also probe the workload's 90th-percentile prompt length, "
                              "and give each request the TTFT multiple at its own length (a line through both)")
     parser.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded TTFT")
     parser.add_argument("--tpot-slo-mult", type=float, default=2.0, help="TPOT objective / unloaded TPOT")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--client-cpus", default=None,
                         help="pin the load generator to these CPUs (e.g. 0 or 0,1); recorded with the machine")
     add_spec_args(parser, TokenSpace, "")
@@ -257,8 +263,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (loopback only)")
     parser.add_argument("--rate", type=float, default=None,
                         help="requests/s, Poisson (inf: all at once); trace default: its own timing")
@@ -266,7 +272,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure N unloaded requests first and derive the objectives from them")
     parser.add_argument("--out", default=None, help="directory for requests.jsonl, summary.json, latency_cdf.png")
     add_bench_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     pin_client(args.client_cpus)
     try:
         record = asyncio.run(_main(args))

@@ -2,7 +2,7 @@
 
 One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
 
-    .venv/bin/python benchmarks/store_bench.py --out benchmarks/results [--quick] [--peer mooncake]
+    .venv/bin/python -m benchmarks.store_bench --out benchmarks/results [--quick] [--peer mooncake]
 
 For each block size (64 KiB, 360 KiB, 720 KiB, 1 MiB, 16 MiB) and batch (1, 64) it times
 ``Client.put`` and ``Client.get`` (into preallocated NumPy buffers) over the shared-memory
@@ -53,12 +53,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from kvstore import Client
+from kvstore.keys import BlockKey
+from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
 
-from kvstore import Client  # noqa: E402
-from kvstore.keys import BlockKey  # noqa: E402
-from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]
@@ -223,20 +222,27 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.store_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
+                    help="directory for store_bench.png (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="fewer iterations, smaller batches (< 1 min)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the block contents and keys")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed iterations per case, best taken (default 15; --quick 5)")
     ap.add_argument("--memory", default="2G", help="daemon arena size (and Mooncake's pool)")
-    ap.add_argument("--max-batch-bytes", default=None, help="cap on one batch (bytes)")
+    ap.add_argument("--max-batch-bytes", default=None,
+                    help="cap on one batch in bytes (default 512 MiB; --quick 64 MiB)")
     ap.add_argument("--peer", choices=("mooncake",), action="append", default=[],
                     help="also run this peer store on the same cases")
     ap.add_argument("--mooncake-python", default=os.environ.get("KVSTORE_MOONCAKE_PYTHON",
                                                                 str(MOONCAKE_PYTHON_DEFAULT)),
                     help="Python of Mooncake's own venv (default %(default)s)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     iters = args.iters or (5 if args.quick else 15)
     cap = int(args.max_batch_bytes or (64 * MiB if args.quick else 512 * MiB))
     rng = np.random.default_rng(args.seed)

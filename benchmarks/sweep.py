@@ -257,8 +257,8 @@ def _stat(p: dict[str, Any], metric: str, stat: str) -> float | None:
     return None if d is None else d[stat]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--config", dest="configs", action=_ConfigAction, metavar="NAME=URL",
                         help="a running endpoint (repeatable)")
     parser.add_argument("--launch", dest="configs", action=_ConfigAction, metavar="NAME=COMMAND",
@@ -266,13 +266,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", default="0.5,1,2,4,8", help="comma-separated requests/s")
     parser.add_argument("--quick", action="store_true", help="30 s points, every other rate")
     parser.add_argument("--point-seconds", type=float, default=None, help="bound of one point (default 120; quick 30)")
-    parser.add_argument("--unloaded-samples", type=int, default=3)
+    parser.add_argument("--unloaded-samples", type=int, default=3,
+                        help="unloaded requests, one at a time, that fix the objectives (default 3)")
     parser.add_argument("--slo-ref", choices=("first", "own"), default="first",
                         help="objectives from the first configuration's unloaded latency, or each one's own")
     parser.add_argument("--scale-at", type=int, default=None, help="rate index of the SLO-scale plot (default: middle)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
-    parser.add_argument("--out", default="sweep_results")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds a --launch command has to answer GET /v1/models (default 600)")
+    parser.add_argument("--out", default="sweep_results",
+                        help="directory for sweep.jsonl, requests/ and the PNGs (default %(default)s)")
     add_bench_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.configs:
         parser.error("give at least one --config NAME=URL or --launch NAME=COMMAND")
