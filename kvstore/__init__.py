@@ -15,8 +15,11 @@ Usage::
 This package imports neither the engine nor the router.
 """
 
+from typing import Any
+
 from kvstore.client.async_client import AsyncClient
-from kvstore.client.node import Client, connect
+from kvstore.client.api import StoreClient, connect
+from kvstore.client.node import Client
 from kvstore.errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 from kvstore.keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
 
@@ -28,6 +31,7 @@ __all__ = [
     "CorruptBlock",
     "KVStoreError",
     "ProtocolError",
+    "StoreClient",
     "StoreFull",
     "StoreUnavailable",
     "block_keys",
@@ -36,3 +40,11 @@ __all__ = [
     "namespace_id",
     "salted",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":  # lazily: most imports never ask (kvstore/version.py)
+        from kvstore.version import installed_version
+
+        return installed_version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

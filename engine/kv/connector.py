@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kvstore import codec
+from kvstore.client.api import StoreClient
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import BlockKey
 
@@ -155,10 +156,10 @@ class KVStoreConnector:
 
     def __init__(
         self,
-        client: Any,
+        client: StoreClient,
         kv_cache: torch.Tensor,
         *,
-        save_client: Any | None = None,
+        save_client: StoreClient | None = None,
         save_all: bool = True,
         load_enabled: bool = True,
         max_batch_bytes: int = _MAX_BATCH_BYTES,

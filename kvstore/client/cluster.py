@@ -1,8 +1,9 @@
 """``ClusterClient``: the ``Client`` API over every store node registered in etcd.
 
-Membership: the nodes are the live keys under ``/{cluster}/stores/`` (each value carries the
-node's ``address``), mirrored by a watched ``Membership``; placement is computed locally by
-rendezvous hashing (``kvstore.client.placement``) over them. Nothing per block touches etcd.
+Membership: the nodes are the live keys under ``/{cluster}/stores/`` (``kvstore.coord.layout``;
+each value carries the node's ``address``), mirrored by a watched ``Membership``; placement is
+computed locally by rendezvous hashing (``kvstore.client.placement``) over them. Nothing per
+block touches etcd.
 
 Routing, per batch call (keys are split by node, each node gets one batched call, the calls
 to different nodes run concurrently, results come back in the caller's order):
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 
 from kvstore.client.node import Client
 from kvstore.errors import StoreFull, StoreUnavailable
+from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 from kvstore.coord.membership import Membership, MembershipChange
 from kvstore.client.placement import Placement
@@ -60,6 +62,7 @@ class ClusterClient:
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.prefix = layout.stores_prefix(cluster)  # a malformed cluster name fails here
         self.cluster = cluster
         self.replicas = replicas
         self._auth_token = auth_token
@@ -74,7 +77,6 @@ class ClusterClient:
         self._closed = False
         self._owns_etcd = not isinstance(etcd, EtcdClient)
         self._etcd = EtcdClient(etcd) if self._owns_etcd else etcd
-        self.prefix = f"/{cluster}/stores/"
         self._membership = Membership(self._etcd, self.prefix, on_change=self._on_change)
         try:
             self._membership.start()  # EtcdUnavailable is a StoreUnavailable

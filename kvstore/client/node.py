@@ -37,22 +37,9 @@ from kvstore.net.buffers import Dest, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
-__all__ = ["Client", "connect", "parse_address"]
+__all__ = ["Client", "parse_address"]
 
 Transport = Literal["auto", "tcp", "shm"]
-
-
-def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
-            auth_token: str | None = None, timeout: float = 5.0):
-    """A ``Client`` for one node at ``address``, or a ``ClusterClient`` over the nodes
-    registered in etcd at ``etcd`` (endpoints URL) under ``cluster``. Pass exactly one."""
-    if (address is None) == (etcd is None):
-        raise ValueError("pass exactly one of address='host:port' or etcd='http://host:port'")
-    if address is not None:
-        return Client(address, auth_token=auth_token, timeout=timeout)
-    from kvstore.client.cluster import ClusterClient
-
-    return ClusterClient(etcd, cluster=cluster, auth_token=auth_token, timeout=timeout)
 
 
 def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:

@@ -22,7 +22,6 @@ Contract:
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import threading
@@ -32,7 +31,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvstore.errors import ETCD_START_HINT, EtcdError, EtcdUnavailable, LeaseExpired, WatchCompacted
-from kvstore.coord.watch import Watch, WatchEvent, _unb64
+from kvstore.coord.encoding import b64 as _b64, prefix_range_end, unb64 as _unb64
+from kvstore.coord.watch import Watch, WatchEvent
 
 __all__ = [
     "EtcdClient",
@@ -42,27 +42,12 @@ __all__ = [
     "Watch",
     "WatchCompacted",
     "WatchEvent",
+    "client_for",
     "prefix_range_end",
 ]
 
 _GRPC_NOT_FOUND = 5
 _GRPC_UNAVAILABLE = 14
-
-
-def _b64(data: str | bytes) -> str:
-    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    return base64.b64encode(raw).decode("ascii")
-
-
-def prefix_range_end(prefix: str | bytes) -> bytes:
-    """The etcd ``range_end`` that selects every key starting with ``prefix``."""
-    raw = bytearray(prefix.encode("utf-8") if isinstance(prefix, str) else prefix)
-    while raw:
-        if raw[-1] < 0xFF:
-            raw[-1] += 1
-            return bytes(raw)
-        raw.pop()
-    return b"\0"  # empty prefix: every key
 
 
 def _parse_endpoints(endpoints: str | list[str]) -> list[str]:
@@ -255,7 +240,8 @@ class EtcdClient:
             except OSError as exc:
                 last = exc
                 continue
-            watch = Watch(self, sock, endpoint, json.dumps(body).encode(), probe_interval)
+            watch = Watch(sock, endpoint, json.dumps(body).encode(), probe_interval,
+                          probe=self.ping, on_close=self._forget)
             with self._lock:
                 if self._closed:
                     watch.close()
@@ -287,3 +273,10 @@ class EtcdClient:
 
     def __repr__(self) -> str:
         return f"EtcdClient({','.join(self.endpoints)})"
+
+
+def client_for(etcd: EtcdClient | str | list[str]) -> tuple[EtcdClient, bool]:
+    """(client, owned): endpoints get a client of the caller's own, which it must close."""
+    if isinstance(etcd, EtcdClient):
+        return etcd, False
+    return EtcdClient(etcd), True

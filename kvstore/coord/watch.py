@@ -8,23 +8,23 @@ a read must be able to time out, probe etcd (``EtcdClient.ping``) and resume whe
 a silent partition then surfaces as ``EtcdUnavailable`` instead of a watch that waits
 forever, and ``close()`` from another thread wakes the blocked reader
 (``shutdown(SHUT_RDWR)``).
+
+The watch knows its client only through the two callables it is given (``probe``, run while
+idle, and ``on_close``), so this module does not import ``kvstore.coord.etcd``.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
+from kvstore.coord.encoding import unb64 as _unb64
 from kvstore.errors import ETCD_START_HINT, EtcdError, EtcdUnavailable, WatchCompacted
-
-if TYPE_CHECKING:
-    from kvstore.coord.etcd import EtcdClient
 
 __all__ = ["Watch", "WatchEvent"]
 
@@ -39,10 +39,6 @@ class WatchEvent:
     mod_revision: int
 
 
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
 class Watch:
     """An open watch stream: iterate for ``WatchEvent``s; ``close()`` from any thread.
 
@@ -52,10 +48,11 @@ class Watch:
     """
 
     def __init__(
-        self, client: "EtcdClient", sock: socket.socket, endpoint: str, body: bytes,
-        probe_interval: float,
+        self, sock: socket.socket, endpoint: str, body: bytes, probe_interval: float, *,
+        probe: Callable[[], object], on_close: Callable[["Watch"], None],
     ) -> None:
-        self._client = client
+        self._probe = probe
+        self._on_close = on_close
         self._sock = sock
         self._endpoint = endpoint
         self._body = body
@@ -72,7 +69,7 @@ class Watch:
         except OSError:
             pass
         self._sock.close()
-        self._client._forget(self)
+        self._on_close(self)
 
     @property
     def closed(self) -> bool:
@@ -104,7 +101,7 @@ class Watch:
             try:
                 data = self._sock.recv(65536)
             except TimeoutError:
-                self._client.ping()  # raises EtcdUnavailable when etcd is gone
+                self._probe()  # EtcdClient.ping: raises EtcdUnavailable when etcd is gone
                 continue
             if not data:
                 return False

@@ -2,8 +2,12 @@
 
 Anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and torch
 tensors: a CPU tensor is used in place through a flat uint8 view; a CUDA tensor goes through
-a CPU staging copy (pinned memory for a get, ``.cpu()`` for a put). Tensors are recognized
-by duck typing (``.is_cuda``), so torch is imported only when a tensor is passed.
+a CPU staging copy (pinned memory for a get, ``.cpu()`` for a put).
+
+This module never imports torch (a process that never loads it, such as the router, does
+not get it through the store client): a value can only be a tensor if torch is already
+loaded, so a tensor is ``isinstance(value, sys.modules["torch"].Tensor)``, and the torch
+functions the adapters need are reached through the tensor's own module.
 
 A get's buffer must be C-contiguous, writable and at least as large as the block; the block
 fills its head. Every adapter yields a flat ``np.uint8`` array, which is what the data paths
@@ -12,24 +16,34 @@ copy to and from (``np.copyto`` from the mapped arena, ``recv_into`` from a sock
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
+from typing import Any
+
 import numpy as np
 
 __all__ = ["source_bytes", "Dest"]
 
 
-def _tensor_bytes(t) -> np.ndarray:
-    import torch
+def _torch_of(value: object) -> ModuleType | None:
+    """The torch module if ``value`` is a torch tensor, else None (torch is never imported)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return torch
+    return None
 
+
+def _tensor_bytes(torch: Any, t: Any) -> np.ndarray:
     if not t.is_contiguous():
         raise ValueError("tensor buffers must be contiguous; call .contiguous() first")
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def source_bytes(value) -> np.ndarray:
+def source_bytes(value: Any) -> np.ndarray:
     """A read-only flat uint8 view of a value to put (CUDA tensors are staged to CPU)."""
-    if hasattr(value, "is_cuda"):
+    if (torch := _torch_of(value)) is not None:
         t = value.detach()
-        return _tensor_bytes(t.cpu() if t.is_cuda else t.contiguous())
+        return _tensor_bytes(torch, t.cpu() if t.is_cuda else t.contiguous())
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
     try:
@@ -43,20 +57,20 @@ class Dest:
     """A writable flat uint8 view (``array``) of a get buffer; a CUDA tensor gets a pinned
     CPU staging buffer that ``finish(nbytes)`` copies to the device."""
 
-    __slots__ = ("array", "_cuda")
+    __slots__ = ("array", "_cuda", "_torch")
 
-    def __init__(self, buf) -> None:
-        self._cuda = None
-        if hasattr(buf, "is_cuda"):
+    def __init__(self, buf: Any) -> None:
+        self._cuda: Any = None
+        self._torch = torch = _torch_of(buf)
+        self.array: np.ndarray
+        if torch is not None:
             if buf.is_cuda:
-                import torch
-
                 if not buf.is_contiguous():
                     raise ValueError("tensor buffers must be contiguous")
                 self._cuda = buf
                 self.array = torch.empty(buf.nbytes, dtype=torch.uint8, pin_memory=True).numpy()
             else:
-                self.array = _tensor_bytes(buf)
+                self.array = _tensor_bytes(torch, buf)
         elif isinstance(buf, np.ndarray):
             if not buf.flags.c_contiguous or not buf.flags.writeable:
                 raise ValueError("NumPy get buffers must be C-contiguous and writable")
@@ -78,7 +92,6 @@ class Dest:
 
     def finish(self, nbytes: int) -> None:
         if self._cuda is not None:
-            import torch
-
+            torch: Any = self._torch
             flat = self._cuda.reshape(-1).view(torch.uint8)
             flat[:nbytes].copy_(torch.from_numpy(self.array[:nbytes]), non_blocking=False)

@@ -166,6 +166,8 @@ def test_async_client(shared_daemon):
 def test_connect_by_address(shared_daemon):
     with kvstore.connect(shared_daemon.address) as c:
         assert isinstance(c, Client) and c.node_id == shared_daemon.node_id
+        client: kvstore.StoreClient = c  # what the engine's connector is typed against
+        assert isinstance(client, kvstore.StoreClient)
     with pytest.raises(ValueError, match="exactly one"):
         kvstore.connect()
 

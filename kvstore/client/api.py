@@ -1,0 +1,83 @@
+"""The store client API an engine relies on: the ``StoreClient`` protocol and ``connect()``.
+
+``StoreClient`` is what ``Client`` (one node, ``kvstore.client.node``) and ``ClusterClient``
+(every node registered in etcd, ``kvstore.client.cluster``) both are, and all a caller such
+as the engine's connector may count on:
+
+- ``put(keys, values)``: batch-first; present keys are a successful no-op; ``StoreFull`` when
+  the batch cannot fit. (It returns nothing yet: per-key put results are planned, and will
+  come as a return value of this one call, not as a second method.)
+- ``get(keys, buffers) -> list[bool]``: copy each present block into its caller-provided
+  buffer (bytes-like, NumPy, torch tensors); ``get_bytes(keys)`` returns copies instead.
+- ``contains(keys)``, ``prefix_len(keys)``: lookups that never touch recency.
+- ``delete(keys) -> int``: how many stored copies were removed.
+- ``stats() -> dict``: the shape differs by client (docs/architecture.md, "Client").
+- ``close()`` and use as a context manager.
+
+Failure is the same on both: ``StoreUnavailable`` when no node answered (the engine treats it
+as a miss), the typed exceptions of ``kvstore.errors`` otherwise.
+
+``connect()`` picks the client from its arguments. It lives here, not beside ``Client``, so
+that neither client module imports the other; it imports ``ClusterClient`` (and with it etcd
+and httpx) only when asked for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Self, overload, runtime_checkable
+
+from kvstore.client.node import Client
+
+if TYPE_CHECKING:
+    from kvstore.client.cluster import ClusterClient
+
+__all__ = ["StoreClient", "connect"]
+
+
+@runtime_checkable
+class StoreClient(Protocol):
+    """The batch API shared by ``Client`` and ``ClusterClient`` (module docstring)."""
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None: ...
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]: ...
+
+    def get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int: ...
+
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@overload
+def connect(address: str, *, etcd: None = None, cluster: str = "kvstore",
+            auth_token: str | None = None, timeout: float = 5.0) -> Client: ...
+@overload
+def connect(address: None = None, *, etcd: str, cluster: str = "kvstore",
+            auth_token: str | None = None, timeout: float = 5.0) -> ClusterClient: ...
+@overload
+def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
+            auth_token: str | None = None, timeout: float = 5.0) -> Client | ClusterClient: ...
+def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
+            auth_token: str | None = None, timeout: float = 5.0) -> StoreClient:
+    """A ``Client`` for one node at ``address``, or a ``ClusterClient`` over the nodes
+    registered in etcd at ``etcd`` (endpoints URL) under ``cluster``. Pass exactly one."""
+    if (address is None) == (etcd is None):
+        raise ValueError("pass exactly one of address='host:port' or etcd='http://host:port'")
+    if address is not None:
+        return Client(address, auth_token=auth_token, timeout=timeout)
+    assert etcd is not None
+    from kvstore.client.cluster import ClusterClient  # etcd and httpx only when asked for
+
+    return ClusterClient(etcd, cluster=cluster, auth_token=auth_token, timeout=timeout)
