@@ -108,7 +108,7 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     import uvicorn
 
-    from kvstore.coord.membership import Registration
+    from kvstore.coord.registration import register
 
     try:
         parts = build_app(config)
@@ -123,16 +123,16 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
         host, port = sock.getsockname()[:2]
         if config.etcd:
             router_id = f"router-{uuid.uuid4().hex[:8]}"
-            registration = Registration(config.etcd, f"/{config.cluster}/routers/{router_id}", {
+            registration = register(config.etcd, config.cluster, "routers", router_id, {
                 "address": f"http://{host}:{port}", "mode": config.mode, "policy": config.policy,
-                "model_dir": config.model_dir}).start()
+                "model_dir": config.model_dir})
         server = _uvicorn_server(uvicorn.Config(parts.app, log_level=log_level.lower(),
                                                 access_log=False, timeout_graceful_shutdown=5))
         log.info("serving on http://%s:%d (mode %s, policy %s)", host, port, config.mode,
                  config.policy)
         server.run(sockets=[sock])
         return 0
-    except (OSError, KVStoreError) as exc:
+    except (OSError, ValueError, KVStoreError) as exc:  # ValueError: a malformed --cluster
         print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
         return 2
     finally:

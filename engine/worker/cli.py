@@ -178,7 +178,7 @@ def _attention_path(kv_cache) -> str:  # noqa: ANN001 - a torch.Tensor; torch im
 
 async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info,
                        log_level: str) -> int:
-    from kvstore.coord.membership import Registration
+    from kvstore.coord.registration import register
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -195,10 +195,10 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info
     registration = None
     if cfg.etcd is not None:
         value = {k: v for k, v in info.to_json().items() if k != "worker_id"}
-        key = f"/{cfg.cluster}/workers/{info.worker_id}"
         try:
             registration = await asyncio.to_thread(
-                Registration(cfg.etcd, key, value, ttl=cfg.registration_ttl_s).start)
+                register, cfg.etcd, cfg.cluster, "workers", info.worker_id, value,
+                ttl=cfg.registration_ttl_s)
         except Exception as exc:  # noqa: BLE001 - EtcdError and transport errors alike
             server.should_exit = True
             await serving
@@ -217,7 +217,7 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info
     drain_deadline = time.monotonic() + cfg.drain_timeout_s
     while not worker.idle and time.monotonic() < drain_deadline:
         await asyncio.sleep(0.02)
-    if registration is not None:
+    if registration is not None:  # after the drain (kvstore.coord.registration)
         await asyncio.to_thread(registration.close)
     app.state.closing.set()
     server.should_exit = True

@@ -1,15 +1,10 @@
-"""Cluster membership in etcd: register yourself under a lease, watch who else is there.
+"""Cluster membership in etcd: watch who is registered under one prefix.
 
-Layout (docs/architecture.md, "etcd layout"): ``/{cluster}/{kind}/{id}`` holds a JSON object
-under a lease with a TTL (5 s by default), kept alive every TTL/3. A process that dies stops
-renewing, and etcd deletes its key within the TTL (plus etcd's ~0.5 s expiry sweep).
+The keys are those of ``kvstore.coord.layout`` (``/{cluster}/{kind}/{id}``, one JSON object
+each), put under a lease by ``kvstore.coord.registration``: a member that dies leaves within
+its TTL.
 
-- ``Registration`` owns one key: ``start()`` grants the lease and puts the value (raising
-  ``EtcdUnavailable`` if etcd cannot be reached then); a daemon thread renews it and, when
-  the lease was lost (etcd restarted with fresh data, a partition longer than the TTL),
-  grants a new one and puts the value again. ``close()`` revokes the lease: the key is gone
-  at once, not after the TTL.
-- ``Membership`` mirrors one prefix: ``start()`` reads it (raising ``EtcdUnavailable`` if etcd
+``Membership`` mirrors one prefix: ``start()`` reads it (raising ``EtcdUnavailable`` if etcd
   cannot be reached then), then a daemon thread watches from the next revision. When the
   watch breaks it reconnects and resynchronizes from a fresh read, reporting the difference
   as one change. While etcd is unreachable ``healthy`` is False, ``last_error`` says why, and
@@ -21,129 +16,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.coord.etcd import EtcdClient, EtcdError, LeaseExpired, Watch, WatchCompacted, WatchEvent
+from kvstore.coord.etcd import EtcdClient, EtcdError, Watch, WatchCompacted, WatchEvent, client_for
 
-__all__ = ["Registration", "Membership", "MembershipChange"]
+__all__ = ["Membership", "MembershipChange"]
 
 log = logging.getLogger(__name__)
 
 Members = dict[str, dict[str, Any]]
-
-
-def _client(etcd: EtcdClient | str) -> tuple[EtcdClient, bool]:
-    """(client, owned): a URL gets a client of our own that we close."""
-    if isinstance(etcd, EtcdClient):
-        return etcd, False
-    return EtcdClient(etcd), True
-
-
-class Registration:
-    """One key kept alive under a lease (see the module docstring). Use as a context manager."""
-
-    def __init__(
-        self, etcd: EtcdClient | str, key: str, value: Mapping[str, Any], ttl: float = 5.0
-    ) -> None:
-        if ttl <= 0:
-            raise ValueError(f"ttl must be positive, got {ttl}")
-        self._etcd, self._owns_etcd = _client(etcd)
-        self.key = key
-        self.ttl = ttl
-        self._value = json.dumps(dict(value), sort_keys=True).encode("utf-8")
-        self._lease: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.last_error: Exception | None = None
-
-    @property
-    def lease_id(self) -> int | None:
-        return self._lease
-
-    @property
-    def registered(self) -> bool:
-        """True while the last grant or renewal succeeded."""
-        return self._lease is not None and self.last_error is None
-
-    def start(self) -> "Registration":
-        if self._thread is not None:
-            raise RuntimeError(f"registration of {self.key} already started")
-        self._register()
-        self._thread = threading.Thread(
-            target=self._run, name=f"etcd-registration:{self.key}", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def update(self, value: Mapping[str, Any]) -> None:
-        """Replace the registered value (same lease)."""
-        encoded = json.dumps(dict(value), sort_keys=True).encode("utf-8")
-        with self._lock:
-            self._value = encoded
-            if self._lease is not None:
-                self._etcd.put(self.key, encoded, lease=self._lease)
-
-    def _register(self) -> None:
-        with self._lock:
-            lease = self._etcd.lease_grant(max(1, math.ceil(self.ttl)))
-            try:
-                self._etcd.put(self.key, self._value, lease=lease)
-            except EtcdError:
-                self._etcd.lease_revoke(lease)
-                raise
-            self._lease = lease
-            self.last_error = None
-
-    def _run(self) -> None:
-        interval = self.ttl / 3
-        while not self._stop.wait(interval):
-            try:
-                lease = self._lease
-                if lease is None:
-                    self._register()
-                    continue
-                self._etcd.lease_keepalive(lease)
-                self.last_error = None
-            except LeaseExpired as exc:
-                log.warning("lease of %s lost (%s); registering again", self.key, exc)
-                self._lease = None
-                self._retry_register()
-            except EtcdError as exc:
-                if self.last_error is None:
-                    log.warning("cannot renew registration of %s: %s", self.key, exc)
-                self.last_error = exc
-
-    def _retry_register(self) -> None:
-        try:
-            self._register()
-        except EtcdError as exc:
-            self.last_error = exc
-
-    def close(self) -> None:
-        """Stop renewing and revoke the lease (the key disappears now). Idempotent."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._etcd.timeout + 1.0)
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            try:
-                self._etcd.lease_revoke(lease)
-            except EtcdError as exc:  # etcd gone: the key expires within the TTL anyway
-                log.warning("could not revoke lease of %s: %s", self.key, exc)
-        if self._owns_etcd:
-            self._etcd.close()
-
-    def __enter__(self) -> "Registration":
-        return self if self._thread is not None else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)
@@ -171,7 +56,7 @@ class Membership:
         retry_interval: float = 0.5,
         probe_interval: float = 2.0,
     ) -> None:
-        self._etcd, self._owns_etcd = _client(etcd)
+        self._etcd, self._owns_etcd = client_for(etcd)
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._on_change = on_change
         self._retry_interval = retry_interval

@@ -91,7 +91,7 @@ class Daemon:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def _register(self) -> None:
-        from kvstore.coord.membership import Registration
+        from kvstore.coord.registration import register
 
         c = self.config
         tiers = ["host"] + (["ssd"] if c.ssd_path else []) + (["gpu"] if c.gpu_memory_bytes else [])
@@ -100,17 +100,14 @@ class Daemon:
                  "capacity": {"memory": c.memory_bytes, "ssd": c.ssd_capacity_bytes,
                               "gpu": c.gpu_memory_bytes},
                  "tiers": tiers}
-        self.registration = Registration(c.etcd, f"/{c.cluster}/stores/{self.node_id}", value,
-                                         ttl=c.registration_ttl).start()
+        self.registration = register(c.etcd, c.cluster, "stores", self.node_id, value,
+                                     ttl=c.registration_ttl)
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop_accepting()
         if self.registration is not None:
-            try:
-                self.registration.close()
-            except Exception:
-                log.exception("deregistering from etcd failed; the key expires with its lease")
+            self.registration.close()  # before the drain (module docstring); never raises
             self.registration = None
         if self.server is not None:
             self.server.shutdown(self.config.drain_timeout)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvstore.coord.registration import DEFAULT_TTL
+
 __all__ = ["ServerConfig", "parse_size", "format_size", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 7700
@@ -56,7 +58,7 @@ class ServerConfig:
     auth_token: str | None = None
     metrics_port: int | None = None
     advertise: str | None = None
-    registration_ttl: float = 5.0
+    registration_ttl: float = DEFAULT_TTL
     io_timeout: float = 30.0
     drain_timeout: float = 10.0
 

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.api.generate import ApiValidationError, WorkerInfo
-from router.placement.kv_index import KvIndex
-from router.placement.policy import RateConfig, WorkerLoad
 from router.workers.client import WorkerClient
+from router.workers.fit import RateConfig
+from router.workers.kv_index import KvIndex
+from router.workers.load import WorkerLoad
 
 __all__ = ["MembershipSource", "StaticMembership", "WorkerHandle", "WorkerPool"]
 
@@ -50,8 +51,7 @@ class StaticMembership:
     """A fixed member list: ``{worker_id: etcd-style value}``; always healthy."""
 
     def __init__(self, workers: Iterable[WorkerInfo]) -> None:
-        self._members = {w.worker_id: {k: v for k, v in w.to_json().items() if k != "worker_id"}
-                         for w in workers}
+        self._members = {w.worker_id: w.to_etcd_value() for w in workers}
 
     def start(self) -> StaticMembership:
         return self
@@ -102,10 +102,12 @@ class WorkerPool:
     @classmethod
     def from_etcd(cls, etcd: str, cluster: str, **kwargs: Any) -> WorkerPool:
         """A pool watching ``/{cluster}/workers/`` on the etcd at ``etcd`` (a URL)."""
+        from kvstore.coord import layout
         from kvstore.coord.membership import Membership
 
         pool = cls(**kwargs)
-        pool._source = Membership(etcd, f"/{cluster}/workers/", on_change=lambda _c: pool._notify())
+        pool._source = Membership(etcd, layout.workers_prefix(cluster),
+                                  on_change=lambda _c: pool._notify())
         return pool
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -227,7 +229,7 @@ class WorkerPool:
                 await self._drop(wid)
             self._values[wid] = value
             try:
-                info = WorkerInfo.from_json(value, worker_id=wid)
+                info = WorkerInfo.from_etcd_value(wid, value)
             except ApiValidationError as exc:
                 log.warning("ignoring worker %s: bad registration (%s)", wid, exc)
                 continue

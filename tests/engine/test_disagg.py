@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import kvstore
+from kvstore.coord import layout
 from kvstore.keys import BlockKey, block_keys, salted
 
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
@@ -203,7 +204,7 @@ def test_registers_in_etcd_and_drains_on_sigterm(tiny_llama_dir, store, etcd, un
                      "--etcd", etcd, "--cluster", cluster, "--worker-id", "dec-1",
                      "--num-blocks", "64")
     try:
-        key = f"/{cluster}/workers/dec-1"
+        key = layout.worker_key(cluster, "dec-1")
         with httpx.Client(timeout=10) as http:
             def registered():  # etcd's JSON gateway speaks base64
 

@@ -13,9 +13,11 @@ import httpx
 import numpy as np
 import pytest
 
+import kvstore
 from kvstore.client.node import Client
 from kvstore.client.cluster import ClusterClient
 from kvstore.errors import StoreUnavailable
+from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 from kvstore.keys import block_keys, namespace_id
 from kvstore.client.placement import Placement
@@ -114,7 +116,7 @@ def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
         # It leaves etcd within the TTL; placement then runs over the two live nodes only.
         with EtcdClient(etcd) as ec:
             took = _poll(
-                lambda: ec.get(f"/{cluster_name}/stores/{victim}") is None,
+                lambda: ec.get(layout.store_key(cluster_name, victim)) is None,
                 DAEMON_TTL + 3.0, "the killed daemon's registration to expire",
             )
         assert took <= DAEMON_TTL + 1.5
@@ -145,12 +147,12 @@ def _lease_granted_ttl(etcd: str, key: str) -> int:
 def test_daemon_registration_value(etcd, start_daemon, cluster_name):
     d = start_daemon("--etcd", etcd, "--cluster", cluster_name, "--registration-ttl", "3")
     with EtcdClient(etcd) as ec:
-        value = json.loads(ec.get(f"/{cluster_name}/stores/{d.node_id}"))
+        value = json.loads(ec.get(layout.store_key(cluster_name, d.node_id)))
         assert value["address"] == d.address
         assert value["capacity"]["memory"] == 64 << 20
-        assert _lease_granted_ttl(etcd, f"/{cluster_name}/stores/{d.node_id}") == 3
+        assert _lease_granted_ttl(etcd, layout.store_key(cluster_name, d.node_id)) == 3
         d.stop(signal.SIGTERM)  # a clean stop deregisters at once
-        assert ec.get(f"/{cluster_name}/stores/{d.node_id}") is None
+        assert ec.get(layout.store_key(cluster_name, d.node_id)) is None
 
 
 def test_errors_when_nothing_is_there(etcd, free_port, cluster_name):
@@ -158,7 +160,11 @@ def test_errors_when_nothing_is_there(etcd, free_port, cluster_name):
     with pytest.raises(StoreUnavailable, match="etcd"):
         ClusterClient(f"http://127.0.0.1:{free_port()}", cluster_name)
     assert time.monotonic() - t0 < 2.0
-    with ClusterClient(etcd, cluster_name) as cc:
+    with pytest.raises(ValueError, match="without '/'"):  # before etcd is asked anything
+        ClusterClient(f"http://127.0.0.1:{free_port()}", "a/b")
+    with kvstore.connect(etcd=etcd, cluster=cluster_name) as cc:
+        client: kvstore.StoreClient = cc  # what the engine's connector is typed against
+        assert isinstance(client, kvstore.StoreClient) and isinstance(cc, ClusterClient)
         with pytest.raises(StoreUnavailable, match="no store nodes are registered"):
             cc.get_bytes(_keys("x", 1))
         assert cc.get_bytes([]) == [] and cc.prefix_len([]) == 0

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore import Client
 from kvstore.net import protocol as P
 from kvstore.node.arena import SHM_DIR
+from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 from kvstore.keys import BlockKey
 
@@ -147,13 +148,13 @@ def test_serve_registers_in_etcd_and_deregisters_on_sigterm(start_daemon, etcd):
     d = start_daemon("--etcd", etcd, "--cluster", cluster, "--memory", "32M")
     client = EtcdClient(etcd)
     try:
-        raw = client.get(f"/{cluster}/stores/{d.node_id}")
+        raw = client.get(layout.store_key(cluster, d.node_id))
         assert raw is not None
         value = json.loads(raw)
         assert value["address"] == d.address and value["tiers"] == ["host"]
         assert value["capacity"] == {"memory": 32 * MiB, "ssd": 0, "gpu": 0}
         assert value["host_id"] == P.local_host_id()
         assert d.stop() == 0
-        assert client.get(f"/{cluster}/stores/{d.node_id}") is None  # revoked, not expired
+        assert client.get(layout.store_key(cluster, d.node_id)) is None  # revoked, not expired
     finally:
         client.close()

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from kvstore.coord.etcd import EtcdClient, EtcdUnavailable
-from kvstore.coord.membership import Membership, MembershipChange, Registration
+from kvstore.coord import layout
+from kvstore.coord.membership import Membership, MembershipChange
+from kvstore.coord.registration import Registration
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +28,7 @@ def _wait(cond, timeout: float, what: str) -> float:
 
 
 def test_registration_puts_renews_and_revokes(etcd, unique_prefix):
-    key = unique_prefix + "/stores/n1"
+    key = layout.store_key(unique_prefix.strip("/"), "n1")
     with EtcdClient(etcd) as c:
         reg = Registration(c, key, {"address": "127.0.0.1:1"}, ttl=1.0).start()
         try:
@@ -41,7 +43,7 @@ def test_registration_puts_renews_and_revokes(etcd, unique_prefix):
 
 
 def test_registration_recovers_a_lost_lease(etcd, unique_prefix):
-    key = unique_prefix + "/stores/n1"
+    key = layout.store_key(unique_prefix.strip("/"), "n1")
     with EtcdClient(etcd) as c, Registration(c, key, {"a": 1}, ttl=1.0) as reg:
         first = reg.lease_id
         c.lease_revoke(first)  # as if etcd forgot it (restart with fresh data, long partition)
@@ -51,7 +53,7 @@ def test_registration_recovers_a_lost_lease(etcd, unique_prefix):
 
 
 def test_registration_start_fails_fast_without_etcd(free_port):
-    reg = Registration(f"127.0.0.1:{free_port()}", "/x/stores/n", {}, ttl=1.0)
+    reg = Registration(f"127.0.0.1:{free_port()}", layout.store_key("x", "n"), {}, ttl=1.0)
     with pytest.raises(EtcdUnavailable):
         reg.start()
     reg.close()
@@ -59,7 +61,7 @@ def test_registration_start_fails_fast_without_etcd(free_port):
 
 REGISTER_AND_HANG = """
 import sys, time
-from kvstore.coord.membership import Registration
+from kvstore.coord.registration import Registration
 Registration(sys.argv[1], sys.argv[2], {"pid": 1}, ttl=1.0).start()
 print("ready", flush=True)
 time.sleep(60)
@@ -67,7 +69,7 @@ time.sleep(60)
 
 
 def test_registration_expires_after_sigkill(etcd, unique_prefix):
-    key = unique_prefix + "/workers/w1"
+    key = layout.worker_key(unique_prefix.strip("/"), "w1")
     proc = subprocess.Popen(
         [sys.executable, "-c", REGISTER_AND_HANG, etcd, key], stdout=subprocess.PIPE, text=True
     )
@@ -85,7 +87,7 @@ def test_registration_expires_after_sigkill(etcd, unique_prefix):
 
 
 def test_membership_sees_joins_updates_and_leaves(etcd, unique_prefix):
-    prefix = unique_prefix + "/stores/"
+    prefix = layout.stores_prefix(unique_prefix.strip("/"))
     changes: list[MembershipChange] = []
     with EtcdClient(etcd) as c:
         c.put(prefix + "a", json.dumps({"address": "A"}))
@@ -113,7 +115,7 @@ def test_membership_sees_joins_updates_and_leaves(etcd, unique_prefix):
 
 
 def test_membership_drops_a_killed_member_within_ttl(etcd, unique_prefix):
-    prefix = unique_prefix + "/workers/"
+    prefix = layout.workers_prefix(unique_prefix.strip("/"))
     proc = subprocess.Popen(
         [sys.executable, "-c", REGISTER_AND_HANG, etcd, prefix + "w1"],
         stdout=subprocess.PIPE, text=True,
@@ -134,7 +136,7 @@ def test_membership_drops_a_killed_member_within_ttl(etcd, unique_prefix):
 
 def test_membership_survives_etcd_restart(etcd_server):
     server = etcd_server()
-    prefix = "/c/stores/"
+    prefix = layout.stores_prefix("c")
     with EtcdClient(server.url) as c:
         c.put(prefix + "keep", json.dumps({"address": "K"}))
         with Membership(c, prefix, retry_interval=0.1, probe_interval=0.5) as m:
@@ -153,7 +155,7 @@ def test_membership_survives_etcd_restart(etcd_server):
 def test_membership_resyncs_changes_missed_while_etcd_was_down(etcd_server):
     """Changes made while the watcher was cut off arrive as one resync diff on reconnect."""
     server = etcd_server()
-    prefix = "/c/stores/"
+    prefix = layout.stores_prefix("c")
     changes: list[MembershipChange] = []
     with EtcdClient(server.url) as writer:
         writer.put(prefix + "old", json.dumps({"address": "O"}))

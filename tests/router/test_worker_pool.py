@@ -95,7 +95,7 @@ def test_pool_follows_events_resyncs_on_gap_and_tracks_load() -> None:
 
 @pytest.mark.integration
 def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) -> None:
-    from kvstore.coord.membership import Registration
+    from kvstore.coord.registration import register
 
     server = etcd_server()
     cluster = unique_prefix.strip("/")
@@ -107,7 +107,7 @@ def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) ->
             assert pool.workers() == [] and pool.etcd_healthy
             value = {k: v for k, v in fake.info.to_json().items() if k != "worker_id"}
             reg = await asyncio.to_thread(
-                lambda: Registration(server.url, f"/{cluster}/workers/wa", value, ttl=2.0).start())
+                lambda: register(server.url, cluster, "workers", "wa", value, ttl=2.0))
             t0 = time.monotonic()
             await _until(lambda: pool.get("wa") is not None, timeout=5)
             assert time.monotonic() - t0 < 1.0, "a registered worker is used within a second"
@@ -116,7 +116,7 @@ def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) ->
             await _until(lambda: pool.get("wa") is None, timeout=5)
             # etcd goes away: the last membership is kept, and health says so.
             reg = await asyncio.to_thread(
-                lambda: Registration(server.url, f"/{cluster}/workers/wa", value, ttl=2.0).start())
+                lambda: register(server.url, cluster, "workers", "wa", value, ttl=2.0))
             await _until(lambda: pool.get("wa") is not None)
             await asyncio.to_thread(server.stop)
             await _until(lambda: not pool.etcd_healthy, timeout=10)
