@@ -107,6 +107,11 @@ class BlockManager:
         """New blocks a table of ``num_held`` blocks needs to cover ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - num_held)
 
+    def can_allocate(self, num_new: int, hits: Sequence[int] = ()) -> bool:
+        """Whether :meth:`allocate` of the same arguments would succeed now. No side effects."""
+        free_hits = sum(1 for b in hits if self._ref[b] == 0)
+        return num_new + free_hits <= self.num_free_blocks
+
     # -- writes ---------------------------------------------------------------------------
 
     def allocate(self, num_new: int, hits: Sequence[int] = ()) -> list[int] | None:
@@ -115,8 +120,7 @@ class BlockManager:
         All-or-nothing: on None nothing changed. Hits that sit in the free queue count against
         the free blocks (taking them makes them unavailable for reuse).
         """
-        free_hits = sum(1 for b in hits if self._ref[b] == 0)
-        if num_new + free_hits > self.num_free_blocks:
+        if not self.can_allocate(num_new, hits):
             return None
         for b in hits:
             if self._ref[b] == 0:

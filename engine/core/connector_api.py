@@ -42,6 +42,9 @@ class EngineConnector(Protocol):
         ``req.block_keys[num_device_hit_tokens // block_size:]``. The scheduler caps the answer
         so at least the last initial token is computed. Side-effect free as far as the engine
         is concerned; a store that cannot be reached holds nothing (return 0, never raise).
+        The scheduler asks only when the request's blocks without store hits are free, and
+        keeps the answer while the request waits for room: once per admission, again after a
+        preemption or when the request's device hits changed meanwhile.
         """
         ...
 

@@ -11,7 +11,9 @@ One step's plan (:meth:`Scheduler.schedule`), under a token budget of
 2. Waiting requests, first come first served (the head blocks the queue), while the budget,
    ``max_num_seqs`` and free blocks allow and nothing was preempted this step. On admission a
    request takes its device-cache hits, then the connector's external hits (loaded now), and
-   its first chunk. With chunked prefill disabled a prompt is admitted only whole.
+   its first chunk. With chunked prefill disabled a prompt is admitted only whole. The store
+   is asked only once the request fits without its hits, and once while it waits (the answer
+   is kept until admission; a preempted request asks again).
 
 At least the last initial token of a request is always computed (hits are capped at
 ``(num_tokens - 1) // block_size`` blocks), so every prefill ends with logits to sample.
@@ -92,6 +94,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}
+        # Waiting requests' store answers: request id -> (device hit tokens, store hit tokens).
+        self._store_hits: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------------
@@ -112,6 +116,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self._store_hits.pop(req.request_id, None)
         else:
             self.running.remove(req)
         self._finish(req, "abort")
@@ -172,10 +177,13 @@ class Scheduler:
         max_hit_blocks = (req.num_tokens - 1) // bs
         hits = bm.lookup(req.block_keys, max_hit_blocks)
         num_device = len(hits) * bs
-        num_external = 0
-        if self.connector is not None:
-            num_external = int(self.connector.get_num_external_hits(req, num_device))
-            num_external = max(0, min(num_external // bs * bs, max_hit_blocks * bs - num_device))
+        # Store hits only ever add blocks (a chunk covers up to hits + budget tokens), so a
+        # request that does not fit without them does not fit with them: ask the store only
+        # once the blocks for the first chunk without hits are free.
+        least = min(req.num_tokens, num_device + budget)
+        if not bm.can_allocate(bm.num_blocks_needed(least, len(hits)), hits):
+            return None
+        num_external = self._external_hits(req, num_device, max_hit_blocks * bs - num_device)
         num_new = req.num_tokens - num_device - num_external
         if num_new > budget:
             # Unchunked, a prompt waits for a step it fits whole; a preempted request's
@@ -189,6 +197,7 @@ class Scheduler:
             return None
 
         self.waiting.popleft()
+        self._store_hits.pop(req.request_id, None)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         req.block_table = blocks
@@ -213,6 +222,23 @@ class Scheduler:
             len(blocks) * bs - req.num_computed_tokens,
         )
         return ScheduledChunk(req, req.num_computed_tokens, num_new)
+
+    def _external_hits(self, req: Request, num_device: int, most: int) -> int:
+        """The connector's hit tokens after ``num_device`` device hits, at most ``most``.
+
+        Asked once while ``req`` waits for room: the answer is kept until ``req`` is admitted,
+        and asked again when its device hits changed meanwhile or after a preemption. A block
+        the store lost since is a short load, recomputed like any miss.
+        """
+        if self.connector is None:
+            return 0
+        known = self._store_hits.get(req.request_id)
+        if known is not None and known[0] == num_device:
+            hits = known[1]
+        else:
+            hits = int(self.connector.get_num_external_hits(req, num_device))
+            self._store_hits[req.request_id] = (num_device, hits)
+        return max(0, min(hits // self.block_size * self.block_size, most))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

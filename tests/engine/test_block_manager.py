@@ -142,3 +142,16 @@ def test_num_blocks_needed() -> None:
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match="positive"):
         BlockManager(0, 16)
+
+
+def test_can_allocate_agrees_with_allocate_and_changes_nothing(bm: BlockManager) -> None:
+    keys = keys_of([1, 2, 3, 4])
+    a = bm.allocate(2)
+    assert a is not None
+    bm.cache(a, keys)
+    bm.free(a)  # both cached and free: taking them as hits uses up free blocks
+    hits = bm.lookup(keys)
+    assert hits == a
+    assert bm.can_allocate(2, hits) and not bm.can_allocate(3, hits)
+    assert bm.num_free_blocks == 4 and bm.lookup(keys) == a
+    assert bm.allocate(3, hits) is None and bm.allocate(2, hits) is not None

@@ -230,3 +230,73 @@ def test_budget_is_never_exceeded_under_load(chunked: bool) -> None:
         steps += 1
         assert steps < 500
     assert s.block_manager.num_free_blocks == 24
+
+
+class CountingConnector(FakeConnector):
+    """A FakeConnector that counts its store lookups (one ``get_num_external_hits`` = one RPC)."""
+
+    def __init__(self, stored: int, load_ok: int) -> None:
+        super().__init__(stored, load_ok)
+        self.lookups: list[tuple[str, int]] = []
+
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
+        self.lookups.append((req.request_id, num_device_hit_tokens))
+        return super().get_num_external_hits(req, num_device_hit_tokens)
+
+
+def test_a_request_waiting_for_blocks_costs_no_store_lookup() -> None:
+    conn = CountingConnector(stored=0, load_ok=0)
+    config = EngineConfig(num_blocks=8, block_size=BS)
+    s = Scheduler(config, BlockManager(8, BS), max_model_len=4096, connector=conn)
+    a = new_request("a", 24, 0.0, max_tokens=5, first=1)     # 6 blocks, then a 7th
+    b = new_request("b", 12, 1.0, max_tokens=1, first=100)   # 3 blocks: waits for a
+    s.add(a)
+    step(s)
+    s.add(b)
+    assert conn.lookups == [("a", 0)]
+    for _ in range(4):  # a decodes; 2 (then 1) free blocks never fit b's 3
+        assert plan(step(s))[0][0] == "a" and b.status is RequestStatus.WAITING
+    assert conn.lookups == [("a", 0)]  # b does not fit without store hits: the store is not asked
+    while s.has_unfinished():
+        step(s)
+    assert conn.lookups == [("a", 0), ("b", 0)]
+
+
+def test_a_waiting_request_asks_the_store_once_while_it_waits() -> None:
+    # b's store hits make its first chunk larger than the blocks free, so it waits after asking.
+    conn = CountingConnector(stored=2, load_ok=2)
+    config = EngineConfig(num_blocks=8, block_size=BS, max_num_batched_tokens=4)
+    s = Scheduler(config, BlockManager(8, BS), max_model_len=4096, connector=conn)
+    a = new_request("a", 20, 0.0, max_tokens=3, first=1)   # 5 blocks (2 from the store), a 6th at 21
+    s.add(a)
+    while a.num_computed_tokens < a.num_tokens - 1 or a.is_prefill:
+        step(s)
+    b = new_request("b", 12, 1.0, max_tokens=1, first=100)
+    s.add(b)
+    # 2 free; b without hits needs 1 block for a 3-token chunk, with 8 hit tokens 3 blocks for 11.
+    for _ in range(2):
+        out = step(s)
+        assert [c.request for c in out.chunks] == [a] and b.status is RequestStatus.WAITING
+    assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0)]  # asked once, then remembered
+    while s.has_unfinished():
+        step(s)
+    assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0)]
+    assert b.stats.external_hit_tokens == 8
+
+
+def test_a_preempted_request_asks_the_store_again() -> None:
+    conn = CountingConnector(stored=1, load_ok=1)
+    config = EngineConfig(num_blocks=6, block_size=BS)
+    s = Scheduler(config, BlockManager(6, BS), max_model_len=4096, connector=conn)
+    a = new_request("a", 7, 0.0, max_tokens=8, first=1)
+    b = new_request("b", 7, 1.0, max_tokens=8, first=50)
+    s.add(a)
+    s.add(b)
+    while b.stats.num_preemptions == 0:
+        step(s)
+        assert s.has_unfinished()
+    assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0)]
+    while b.status is RequestStatus.WAITING:
+        step(s)
+    # Asked again once it fits, after its own 2 blocks (now device hits) for the rest.
+    assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0), ("b", 8)]
