@@ -7,9 +7,10 @@ Data path (keys and block ids; usable without an engine):
   raw bytes of the cache dtype, bf16 included), filed under the block's ``BlockKey``.
 - ``lookup(keys)`` is side-effect free: how many leading ``keys`` the store holds. A store
   that cannot be reached holds nothing (0); it never fails a request.
-- ``load_blocks(keys, block_ids)`` fetches the blocks in one batch, verifies every one (header
-  key, dtype, shape, checksum) and writes only the leading run of verified blocks into the
-  cache. It returns that run's length; a missing or corrupt block and everything after it
+- ``load_blocks(keys, block_ids)`` fetches the blocks in one batch into a pooled staging
+  buffer (pinned on CUDA, reused by a later load once its copy is done), verifies every one
+  (header key, dtype, shape, checksum) and writes only the leading run of verified blocks into
+  the cache. It returns that run's length; a missing or corrupt block and everything after it
   are left for the engine to recompute, and are counted. Unverified bytes never reach the cache.
 - ``save_blocks(keys, block_ids, request_id)`` copies the blocks out of the cache at once (the
   engine may reuse them as soon as it returns) and hands the copy to a background thread that
@@ -117,32 +118,52 @@ class _SaveJob:
 
 
 class _StagingPool:
-    """Reusable host staging buffers ``[capacity, *block_shape]``, capacities powers of two.
+    """Reusable host staging buffers ``[capacity, *row_shape]``, capacities powers of two.
 
-    Fresh large allocations are page-faulted on first touch on the engine thread; reusing
-    warm buffers keeps the synchronous part of a save to one strided copy. Thread-safe.
+    Fresh large allocations are page-faulted on first touch (and on CUDA pinned, a slow
+    ``cudaHostAlloc``) on the engine thread; reusing warm buffers keeps the synchronous part
+    of a save to one strided copy and a load to the store's read. Bounded: at most
+    ``keep_per_size`` buffers are kept per capacity, so at most about twice the largest
+    request's bytes per buffer kept. Thread-safe (the engine thread takes save buffers, the
+    saver thread gives them back).
+
+    A buffer given back with ``ready`` (a CUDA event recorded after the last asynchronous copy
+    out of it) is handed out again only once that copy is done.
     """
 
-    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
                  keep_per_size: int = 4) -> None:
-        self.block_shape, self.dtype, self.pin = block_shape, dtype, pin
+        self.row_shape, self.dtype, self.pin = row_shape, dtype, pin
         self.keep_per_size = keep_per_size
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self.allocations = 0
+        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()
 
     def take(self, n: int) -> torch.Tensor:
+        """A buffer of at least ``n`` rows (slice ``[:n]``); give it back when done."""
         cap = 1 << max(0, n - 1).bit_length()
         with self._lock:
             free = self._free.get(cap)
-            if free:
-                return free.pop()
-        return torch.empty((cap, *self.block_shape), dtype=self.dtype, pin_memory=self.pin)
+            entry = free.pop() if free else None
+        if entry is not None:
+            buf, ready = entry
+            if ready is not None:
+                ready.synchronize()
+            return buf
+        with self._lock:
+            self.allocations += 1
+        return torch.empty((cap, *self.row_shape), dtype=self.dtype, pin_memory=self.pin)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
         with self._lock:
             free = self._free.setdefault(buf.shape[0], [])
             if len(free) < self.keep_per_size:
-                free.append(buf)
+                free.append((buf, ready))
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
 
 
 _NOTHING = _SaveJob(None, [], None, done=Future())  # "no job pending" inside the saver loop
@@ -190,6 +211,9 @@ class KVStoreConnector:
         self._per_request: dict[str | None, SaveResult] = {}
         self._queue: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
         self._pool = _StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
+        # Loads run one at a time on the engine thread: one buffer per size is enough.
+        self._load_pool = _StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
+                                       keep_per_size=1)
         self._saver: threading.Thread | None = None
         self._closed = False
 
@@ -254,8 +278,27 @@ class KVStoreConnector:
         if n == 0:
             return LoadResult(0, 0)
         t0 = time.perf_counter()
-        buf = torch.empty((n, self.encoded_bytes), dtype=torch.uint8,
-                          pin_memory=self.kv_cache.is_cuda)
+        buf = self._load_pool.take(n)  # pinned on CUDA; rows past n are unused
+        # An exception leaves the buffer to the garbage collector (torch's pinned allocator
+        # waits for any copy still reading it); a normal return gives it back.
+        good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids)
+        self._load_pool.give(buf, ready)
+        seconds = time.perf_counter() - t0
+        nbytes = good * self.payload_bytes
+        with self._stats_lock:
+            self.stats.loaded_blocks += good
+            self.stats.loaded_bytes += nbytes
+            self.stats.load_s += seconds
+            self.stats.missing_blocks += missing
+            self.stats.corrupt_blocks += corrupt
+        return LoadResult(good, n, missing=missing, corrupt=corrupt, bytes=nbytes, seconds=seconds)
+
+    def _fetch_verify_copy(
+        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int]
+    ) -> tuple[int, int, int, torch.cuda.Event | None]:
+        """Get ``keys`` into ``buf``'s rows, verify, copy the verified leading run into the
+        cache. Returns (loaded, missing, corrupt, the CUDA event after the copy or None)."""
+        n = len(keys)
         rows = buf.numpy()
         try:
             found = self.client.get(list(keys), [rows[i] for i in range(n)])
@@ -263,8 +306,7 @@ class KVStoreConnector:
             log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
             with self._stats_lock:
                 self.stats.store_errors += 1
-                self.stats.missing_blocks += n
-            return LoadResult(0, n, missing=n, seconds=time.perf_counter() - t0)
+            return 0, n, 0, None
         good, missing, corrupt = 0, 0, 0
         for i in range(n):
             if not found[i]:
@@ -283,24 +325,22 @@ class KVStoreConnector:
                 corrupt = 1
                 break
             good += 1
-        if good:
-            payload = (buf[:good, codec.HEADER_SIZE:].view(self.dtype)
-                       .view(good, *self.block_shape))
-            ids = torch.tensor(list(block_ids[:good]), dtype=torch.long)
-            if self.kv_cache.is_cuda:
-                payload = payload.to(self.kv_cache.device, non_blocking=True)
-                ids = ids.to(self.kv_cache.device)
-            # One scatter: cache[:, :, ids] = payload as [L, 2, n, bs, H, D].
-            self.kv_cache.index_copy_(2, ids, payload.permute(1, 2, 0, 3, 4, 5))
-        seconds = time.perf_counter() - t0
-        nbytes = good * self.payload_bytes
-        with self._stats_lock:
-            self.stats.loaded_blocks += good
-            self.stats.loaded_bytes += nbytes
-            self.stats.load_s += seconds
-            self.stats.missing_blocks += missing
-            self.stats.corrupt_blocks += corrupt
-        return LoadResult(good, n, missing=missing, corrupt=corrupt, bytes=nbytes, seconds=seconds)
+        if not good:
+            return good, missing, corrupt, None
+        payload = buf[:good, codec.HEADER_SIZE:].view(self.dtype).view(good, *self.block_shape)
+        ids = torch.tensor(list(block_ids[:good]), dtype=torch.long)
+        ready: torch.cuda.Event | None = None
+        if self.kv_cache.is_cuda:
+            # An asynchronous copy out of the pinned buffer: the event tells the pool when
+            # the buffer may be written again.
+            payload = payload.to(self.kv_cache.device, non_blocking=True)
+            ids = ids.to(self.kv_cache.device)
+        # One scatter: cache[:, :, ids] = payload as [L, 2, n, bs, H, D].
+        self.kv_cache.index_copy_(2, ids, payload.permute(1, 2, 0, 3, 4, 5))
+        if self.kv_cache.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.kv_cache.device))
+        return good, missing, corrupt, ready
 
     # --- save (engine thread enqueues, saver thread puts) ------------------------------------
 

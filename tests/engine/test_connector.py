@@ -186,7 +186,7 @@ def test_bad_cache_shape_is_rejected():
         KVStoreConnector(DictStore(), torch.zeros((1, 2, 1, 1, 1, 1), dtype=torch.int64))
 
 
-def test_engine_protocol_maps_a_sequence_onto_the_store():
+def test_engine_protocol_maps_a_request_onto_the_store():
     from engine.api.generate import SamplingParams
     from engine.core.connector_api import EngineConnector
     from engine.core.request import Request
@@ -232,3 +232,63 @@ def test_present_blocks_are_acknowledged_without_shipping_bytes(keys):
     assert first.saved_blocks == 2 and second.saved_blocks == 3
     assert second.bytes == first.bytes // 2  # only the new block travelled
     conn.close()
+
+
+class RecordingStore(DictStore):
+    """A DictStore that keeps every buffer ``get`` was given (so none can be freed and reused
+    by the allocator behind the connector's back) and records their addresses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: list[list] = []
+
+    def get(self, keys, buffers) -> list[bool]:
+        self.buffers.append(list(buffers))
+        return super().get(keys, buffers)
+
+    def address(self, call: int) -> int:
+        return self.buffers[call][0].ctypes.data
+
+
+def test_loads_reuse_one_pooled_staging_buffer(keys):
+    store = RecordingStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    saver = KVStoreConnector(store, src)
+    saver.save_blocks(keys, [0, 1, 2, 3, 4], request_id="s")
+    saver.flush("s").result(timeout=10)
+    saver.close()
+    conn = KVStoreConnector(store, dst)
+    assert conn.load_blocks(keys[:2], [8, 9]).loaded == 2
+    assert conn.load_blocks(keys[2:4], [10, 11]).loaded == 2  # another request, same size
+    assert store.address(1) == store.address(0)  # no allocation once warm
+    # A reused buffer holds the last load's bytes: the next load still lands only its own.
+    for src_id, dst_id in zip([0, 1, 2, 3], [8, 9, 10, 11]):
+        assert torch.equal(dst[:, :, dst_id], src[:, :, src_id])
+    del store.data[bytes(keys[1])]
+    res = conn.load_blocks(keys[:2], [12, 13])  # keys[1] missing: its stale row is not loaded
+    assert (res.loaded, res.missing) == (1, 1)
+    assert store.address(2) == store.address(0)
+    assert torch.equal(dst[:, :, 12], src[:, :, 0]) and not torch.equal(dst[:, :, 13], src[:, :, 1])
+
+
+def test_the_load_pool_is_bounded(keys):
+    store = RecordingStore()
+    conn = KVStoreConnector(store, make_cache())
+    for n in (1, 2, 3, 4, 5, 1, 2, 4, 5):  # capacities 1, 2, 4, 4, 8, then all reused
+        conn.load_blocks(keys[:n], list(range(n)))
+    firsts = {store.address(i) for i in range(len(store.buffers))}
+    assert len(firsts) == 4  # one buffer per power-of-two capacity, reused ever after
+
+
+def test_staging_pool_keeps_at_most_keep_per_size_buffers():
+    from engine.kv.connector import _StagingPool
+
+    pool = _StagingPool((8,), torch.uint8, pin=False, keep_per_size=2)
+    bufs = [pool.take(3) for _ in range(3)]  # capacity 4 each
+    assert pool.allocations == 3 and all(b.shape == (4, 8) for b in bufs)
+    for b in bufs:
+        pool.give(b)
+    assert pool.kept_bytes == 2 * 4 * 8  # the third was dropped
+    again = [pool.take(4), pool.take(2)]
+    assert pool.allocations == 4  # capacity 4 reused, capacity 2 new
+    assert again[0].data_ptr() in {b.data_ptr() for b in bufs[:2]}
