@@ -5,7 +5,7 @@ One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
     .venv/bin/python -m benchmarks.router_bench --out benchmarks/results [--quick] [--peer dynamo]
 
 Eight prefill workers, block size 16. For each index size (distinct block keys in
-:class:`~router.placement.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
+:class:`~router.workers.kv_index.KvIndex`: 1k, 10k, 100k) a seeded chat workload fills the workers'
 device caches through the same ordered ``stored``/``removed`` events the workers publish:
 
 - 16 system prompts (256 to 2,048 tokens, at most a quarter of the longest prompt;
@@ -61,8 +61,9 @@ from tqdm import tqdm
 from engine.api.generate import WorkerInfo
 from engine.api.events import BlockEvent, LoadFigures, Snapshot
 from kvstore.keys import block_keys, extend_block_keys
-from router.placement.kv_index import KvIndex
-from router.placement.policy import PrefillPolicy, WorkerLoad
+from router.workers.kv_index import KvIndex
+from router.placement.prefill import PrefillPolicy
+from router.workers.load import WorkerLoad
 
 REPO = Path(__file__).resolve().parents[1]
 

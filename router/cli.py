@@ -34,50 +34,64 @@ class _Stop(BaseException):
 
 def build_parser() -> argparse.ArgumentParser:
     from router.config import MODES, RouterConfig
-    from router.placement.policy import PREFILL_POLICIES
+    from router.placement.prefill import PREFILL_POLICIES
 
     d = RouterConfig(model_dir="default")
+    from kvstore.version import installed_version
+
     p = argparse.ArgumentParser(prog="kvrouter", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    mode_help = ("disaggregated: prefill pool -> store -> decode pool; colocated: one worker does both "
+                 "(the rollback); auto: short uncached prompts prefill on their decode worker")
+    policy_help = "how a prefill worker is chosen: by cached prefix and load, by load alone, or in turn"
 
     s = sub.add_parser("serve", help="run the router (workers are discovered in etcd)")
     s.add_argument("--etcd", required=True, help="etcd URL, e.g. http://127.0.0.1:2379")
-    s.add_argument("--cluster", default=d.cluster)
-    s.add_argument("--host", default=d.host)
-    s.add_argument("--port", type=int, default=d.port)
-    s.add_argument("--mode", choices=MODES, default=d.mode)
-    s.add_argument("--policy", choices=PREFILL_POLICIES, default=d.policy)
+    s.add_argument("--cluster", default=d.cluster,
+                   help=f"cluster name the workers registered under (etcd key prefix, default {d.cluster})")
+    s.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    s.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    s.add_argument("--mode", choices=MODES, default=d.mode, help=f"{mode_help} (default {d.mode})")
+    s.add_argument("--policy", choices=PREFILL_POLICIES, default=d.policy, help=f"{policy_help} (default {d.policy})")
     s.add_argument("--auto-threshold", type=int, default=d.auto_threshold_tokens,
-                   help="auto mode: uncached prompt tokens below which the decode worker prefills")
+                   help="auto mode: uncached prompt tokens below which the decode worker prefills "
+                        f"(default {d.auto_threshold_tokens})")
     s.add_argument("--model", default="default",
                    help="checkpoint directory whose tokenizer the router uses, or 'default'")
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the name the workers register)")
     s.add_argument("--store", default=None, help="a kvstore node host:port (default: via etcd)")
     s.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $KVROUTER_API_KEY, else off)")
-    s.add_argument("--max-inflight", type=int, default=d.max_inflight_requests)
+    s.add_argument("--max-inflight", type=int, default=d.max_inflight_requests,
+                   help=f"requests admitted at once; past it, 429 (default {d.max_inflight_requests})")
     s.add_argument("--request-log", default=None, help="append one JSON line per request here")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
 
     u = sub.add_parser("up", help="run etcd, a store, workers and the router locally")
     u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    u.add_argument("--decode", type=int, default=1, help="decode workers")
-    u.add_argument("--mode", choices=MODES, default="disaggregated")
-    u.add_argument("--policy", choices=PREFILL_POLICIES, default="kv-aware")
-    u.add_argument("--auto-threshold", type=int, default=None)
+    u.add_argument("--host", default="127.0.0.1", help="the router's bind address (default 127.0.0.1)")
+    u.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    u.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    u.add_argument("--mode", choices=MODES, default="disaggregated", help=f"{mode_help} (default disaggregated)")
+    u.add_argument("--policy", choices=PREFILL_POLICIES, default="kv-aware", help=f"{policy_help} (default kv-aware)")
+    u.add_argument("--auto-threshold", type=int, default=None,
+                   help="the router's --auto-threshold (default: its default, "
+                        f"{d.auto_threshold_tokens})")
     u.add_argument("--model", default="default", help="'default' or a checkpoint directory")
     u.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
-    u.add_argument("--cluster", default="kvlocal")
-    u.add_argument("--threads-per-worker", type=int, default=1)
-    u.add_argument("--store-memory", default="512M")
-    u.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"))
-    u.add_argument("--request-log", default=None)
+    u.add_argument("--cluster", default="kvlocal", help="cluster name in etcd (default kvlocal)")
+    u.add_argument("--threads-per-worker", type=int, default=1, help="torch threads of each worker (default 1)")
+    u.add_argument("--store-memory", default="512M", help="the store daemon's host arena, e.g. 2G (default 512M)")
+    u.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"),
+                   help="the router requires 'Authorization: Bearer KEY' (default: $KVROUTER_API_KEY, else off)")
+    u.add_argument("--request-log", default=None, help="the router appends one JSON line per request here")
     u.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
     u.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
-    u.add_argument("--ready-timeout", type=float, default=180.0)
+    u.add_argument("--ready-timeout", type=float, default=180.0,
+                   help="seconds each child has to become ready (default 180)")
     for role in ("prefill", "decode", "colocated"):
         u.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
                        help=f"pin every {role} worker to these CPUs (e.g. 0 or 0,1 or 0-3)")

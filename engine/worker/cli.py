@@ -31,27 +31,38 @@ log = logging.getLogger("kvengine")
 
 def build_parser() -> argparse.ArgumentParser:
     d = WorkerConfig()
+    from kvstore.version import installed_version
+
     p = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run one engine worker")
-    s.add_argument("--role", choices=["prefill", "decode", "colocated"], default=d.role)
+    s.add_argument("--role", choices=["prefill", "decode", "colocated"], default=d.role,
+                   help=f"what the router sends it; every role can prefill (default {d.role})")
     s.add_argument("--model", default=d.model,
                    help="checkpoint directory, or 'default' for the converted SmolLM2-135M-Instruct")
-    s.add_argument("--host", default=d.host)
-    s.add_argument("--port", type=int, default=d.port, help="0 binds a free port")
+    s.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    s.add_argument("--port", type=int, default=d.port, help=f"0 binds a free port (default {d.port})")
     s.add_argument("--advertise-host", default=None, help="host others reach this worker at")
-    s.add_argument("--worker-id", default=None)
+    s.add_argument("--worker-id", default=None, help="its name in etcd and in events (default: ROLE-<random>)")
     s.add_argument("--store", default=None, help="a kvstore node host:port")
     s.add_argument("--etcd", default=None,
                    help="etcd URL: register there, and find the store nodes there unless --store")
-    s.add_argument("--cluster", default=d.cluster)
-    s.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    s.add_argument("--block-size", type=int, default=d.block_size)
-    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--no-chunked-prefill", action="store_true")
-    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--cluster", default=d.cluster, help=f"cluster name (etcd key prefix, default {d.cluster})")
+    s.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help=f"blocks of the paged KV cache (default {d.num_blocks})")
+    s.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV block, also the kvstore block (default {d.block_size})")
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"most requests running at once (default {d.max_num_seqs})")
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help=f"token budget of one step, decodes + prefill chunks (default {d.max_num_batched_tokens})")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context window in tokens (default: the model's max_position_embeddings)")
+    s.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole in one step (it must fit --max-num-batched-tokens)")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse device KV blocks across requests")
     s.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: per device)")
     s.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if available)")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -62,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="save only for phase=prefill requests")
     s.add_argument("--load-interval", type=float, default=d.load_interval_s,
                    help="seconds between load reports on the event stream")
-    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
-    s.add_argument("--log-level", default="warning")
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help=f"seconds running requests get to finish on SIGTERM (default {d.drain_timeout_s:g})")
+    s.add_argument("--log-level", default="warning", help="debug, info, warning or error (default warning)")
     return p
 
 
