@@ -218,7 +218,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstore.version import installed_version
+
     p = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a store node")
@@ -237,23 +240,27 @@ def build_parser() -> argparse.ArgumentParser:
                    default=ServerConfig.registration_ttl,
                    help="etcd lease TTL: a dead node leaves etcd within it (whole seconds, "
                         f"at least 1; kept alive every TTL/3; default {ServerConfig.registration_ttl:g})")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     s.set_defaults(fn=_serve)
 
     for name, fn, doc in (("stats", _stats, "print a node's statistics"),
                           ("bench", _bench, "quick put/get throughput against a node")):
         c = sub.add_parser(name, help=doc)
         c.add_argument("address", help="host:port of the daemon")
-        c.add_argument("--auth-token", default=None)
+        c.add_argument("--auth-token", default=None,
+                       help="the daemon's --auth-token (default: $KVSTORE_AUTH_TOKEN, else none)")
         c.add_argument("--json", action="store_true", help="one JSON object instead of text")
-        c.add_argument("--timeout", type=float, default=5.0)
+        c.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="bound on connecting and on each reply (default 5)")
         c.set_defaults(fn=fn, log_level="WARNING")
         if name == "bench":
             c.add_argument("--size", default="360K", help="block size (default 360K)")
-            c.add_argument("--batch", type=int, default=64)
-            c.add_argument("--iters", type=int, default=10)
-            c.add_argument("--transport", choices=("auto", "tcp"), default="auto")
-            c.add_argument("--seed", type=int, default=0)
+            c.add_argument("--batch", type=int, default=64, help="blocks per put and per get (default 64)")
+            c.add_argument("--iters", type=int, default=10,
+                           help="put/get rounds; the best is reported (default 10)")
+            c.add_argument("--transport", choices=("auto", "tcp"), default="auto",
+                           help="auto: shared memory on the daemon's host, else TCP; tcp: always TCP")
+            c.add_argument("--seed", type=int, default=0, help="seed of the block contents and keys")
     return p
 
 
