@@ -50,3 +50,21 @@ def test_flags_without_help_finds_them():
     s.add_argument("--bare")
     s.add_argument("target")
     assert flags_without_help(p) == ["x run (the subcommand)", "x run --bare", "x run target"]
+
+
+@pytest.mark.parametrize("command", ["stats", "bench"])
+def test_kvstore_timeout_bounds_a_silent_daemon(command):
+    # A listener that never answers the handshake: --timeout, not the 5 s default, ends the wait.
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kvstore.daemon.cli", command, address, "--timeout", "0.5"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 1 and "StoreUnavailable" in r.stderr, r.stderr[-2000:]
+    assert elapsed < 4.0

@@ -190,7 +190,8 @@ def _bench(args: argparse.Namespace) -> int:
     values = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(batch)]
     bufs = [np.empty(size, np.uint8) for _ in range(batch)]
     result: dict[str, Any] = {"address": args.address, "block_bytes": size, "batch": batch}
-    with Client(args.address, auth_token=args.auth_token, transport=args.transport) as c:
+    with Client(args.address, auth_token=args.auth_token, transport=args.transport,
+                timeout=args.timeout) as c:
         result["transport"] = c.transport
         put_s, get_s = [], []
         for i in range(args.iters):
