@@ -2,15 +2,18 @@
 
 Building blocks, one noun a module::
 
-    openai_types / openai_responses   the OpenAI API: parse + validate bodies, errors, responses, SSE
-    detokenizer                       token ids -> stable text, stop strings
-    kv_index                          which worker holds which block keys (from their event streams)
-    policy                            TTFT estimates, prefill / decode choice, auto-mode decision
-    worker_client / worker_pool       the worker HTTP API; the etcd-fed set of live workers
-    serving                           the Orchestrator contract (ServeRequest -> token stream)
-    orchestrator / failover           placement (disaggregated, colocated, auto); retries, resumes
-    choices / app                     one choice's text; the FastAPI app
-    metrics / config                  Prometheus collectors; RouterConfig
+    http/       openai_types, openai_responses: the OpenAI API (parse + validate bodies,
+                responses, SSE); errors: OpenAI errors and the one mapping of failures to
+                statuses; choices: one choice's text; app: the FastAPI app
+    placement/  serving: the Serving contract (ServeRequest -> token stream); route: Route,
+                Plan; cost: the TTFT estimate; prefill / decode: the two choices;
+                orchestrator: plan + the serving loop; failover: one choice's state, retries,
+                resumes; errors: NoCapacity
+    workers/    client, pool: the worker HTTP API, the etcd-fed set of live workers; kv_index:
+                which worker holds which block keys; load, fit: the books on each worker
+    text/       detokenizer: token ids -> stable text, stop strings
+    cluster/    launcher: ``kvrouter up``
+    metrics, config, request_log   Prometheus collectors; RouterConfig; the per-request log
 
 Usage::
 
@@ -21,7 +24,11 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
+    from router.http.app import create_app
 
 __all__ = ["RouterConfig", "create_app"]
 

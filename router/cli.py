@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig(model_dir="default")
     from kvstore.version import installed_version
 
-    p = argparse.ArgumentParser(prog="kvrouter", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvrouter", description=(__doc__ or "kvrouter").split("\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     mode_help = ("disaggregated: prefill pool -> store -> decode pool; colocated: one worker does both "

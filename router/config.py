@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.placement.policy import PREFILL_POLICIES, PrefillPolicyName, RateConfig
+from router.placement.prefill import PREFILL_POLICIES, PrefillPolicyName
+from router.workers.fit import RateConfig
 
 __all__ = ["RouterConfig", "Mode", "MODES"]
 
 Mode = Literal["disaggregated", "colocated", "auto"]
-MODES: tuple[str, ...] = ("disaggregated", "colocated", "auto")
+MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "auto")
 
 
 @dataclass(frozen=True)

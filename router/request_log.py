@@ -4,7 +4,8 @@ Every request the router serves leaves exactly one JSON object (one line) when i
 however it ends (finished, stopped by a stop string, aborted by the client, failed). The
 benchmarks read these lines, so the field names below are a contract:
 
-``request_id``, ``mode`` (``disaggregated`` | ``colocated`` | ``auto-local`` | ``auto-remote``),
+``request_id``, ``mode`` (the ``router.placement.route.Route``: ``disaggregated`` | ``colocated``
+| ``auto-local`` | ``auto-remote``; null when the request failed before it was placed),
 ``arrival_unix`` (wall clock at arrival), ``timeline`` (seconds since arrival, monotonic clock):
 ``queued`` (0.0), ``prefill_start``, ``prefill_end`` (the prefill's first token; in a
 ``phase="full"`` run, the worker's first token), ``transfer_start`` (decode request sent: the
@@ -33,8 +34,11 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import IO, Any
+
+from engine.api.generate import Phase, RequestStats
+from router.placement.route import Route
 
 __all__ = ["RequestRecord", "RequestLog", "PhaseStats"]
 
@@ -47,11 +51,16 @@ class PhaseStats:
     """One worker phase of a request (a prefill, a decode, a resumed decode, a full run)."""
 
     worker_id: str
-    phase: str                       # "prefill" | "decode" | "full"
+    phase: Phase
     ok: bool = True
     error: str | None = None
     output_tokens: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)   # the worker's final "stats" object
+    stats: RequestStats | None = None    # the worker's final stats; None when the phase failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "phase": self.phase, "ok": self.ok,
+                "error": self.error, "output_tokens": self.output_tokens,
+                "stats": self.stats.to_json() if self.stats is not None else {}}
 
 
 @dataclass
@@ -59,7 +68,7 @@ class RequestRecord:
     """The mutable record of one request while it runs; ``to_json`` when it ends."""
 
     request_id: str
-    mode: str = "disaggregated"
+    mode: Route | None = None        # how it was served, once it was placed
     prompt_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -90,20 +99,24 @@ class RequestRecord:
         kv_bytes = {"saved": 0, "loaded": 0}
         for p in self.phases:
             s = p.stats
+            if s is None:
+                continue
             if p.phase in ("prefill", "full"):
-                tokens["computed"] += int(s.get("computed_prompt_tokens", 0))
-                tokens["device_hit"] += int(s.get("device_hit_tokens", 0))
-                tokens["store_hit"] += int(s.get("store_hit_tokens", 0))
+                tokens["computed"] += s.computed_prompt_tokens
+                tokens["store_hit"] += s.store_hit_tokens
             else:
-                tokens["decode_computed"] += int(s.get("computed_prompt_tokens", 0))
-                tokens["decode_store_hit"] += int(s.get("store_hit_tokens", 0))
-                tokens["device_hit"] += int(s.get("device_hit_tokens", 0))
-            kv_bytes["saved"] += int(s.get("kv_bytes_saved", 0))
-            kv_bytes["loaded"] += int(s.get("kv_bytes_loaded", 0))
+                tokens["decode_computed"] += s.computed_prompt_tokens
+                tokens["decode_store_hit"] += s.store_hit_tokens
+            tokens["device_hit"] += s.device_hit_tokens
+            kv_bytes["saved"] += s.kv_bytes_saved
+            kv_bytes["loaded"] += s.kv_bytes_loaded
         return {"tokens": tokens, "kv_bytes": kv_bytes}
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        out["timeline"] = dict(self.timeline)
+        out["decode_workers"] = list(self.decode_workers)
+        out["phases"] = [p.to_dict() for p in self.phases]
         out.update(self.summary())
         return out
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, Literal, overload
 
 from kvstore.keys import BlockKey
 
 __all__ = [
-    "ApiValidationError", "json_object", "read_int", "read_float", "read_bool", "read_str",
-    "read_token_ids", "read_keys", "read_figures",
+    "ApiValidationError", "json_object", "read_object", "read_int", "read_float", "read_bool",
+    "read_str", "is_token_ids", "read_token_ids", "read_keys", "read_figures",
 ]
 
 
@@ -35,8 +35,18 @@ def json_object(obj: Any, name: str) -> Mapping[str, Any]:
     return obj
 
 
+def read_object(obj: Mapping[str, Any], key: str, default: Any = ..., where: str = "") -> Any:
+    """A nested JSON object (a ``Mapping``); ``default`` when absent (``None`` allowed)."""
+    value = obj.get(key, default)
+    if value is ...:
+        raise ApiValidationError(where + key, "is required")
+    if value is None and default is None:
+        return None
+    return json_object(value, where + key)
+
+
 def read_int(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: int | None = None,
-             where: str = "") -> Any:
+             hi: int | None = None, where: str = "") -> Any:
     value = obj.get(key, default)
     if value is ...:
         raise ApiValidationError(where + key, "is required")
@@ -44,8 +54,10 @@ def read_int(obj: Mapping[str, Any], key: str, default: Any = ..., *, lo: int | 
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiValidationError(where + key, f"expected an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ApiValidationError(where + key, f"must be >= {lo}, got {value}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = (f">= {lo}" if hi is None else f"<= {hi}" if lo is None
+               else f"between {lo} and {hi}")
+        raise ApiValidationError(where + key, f"must be {rng}, got {value}")
     return value
 
 
@@ -82,18 +94,27 @@ def read_str(obj: Mapping[str, Any], key: str, default: Any = ..., *,
     return value
 
 
+def is_token_ids(value: Any) -> bool:
+    """A list of token ids: integers (not bools) in [0, 2**32)."""
+    return isinstance(value, list) and all(type(t) is int and 0 <= t < 2**32 for t in value)
+
+
 def read_token_ids(obj: Mapping[str, Any], key: str, default: Any = ...,
                    where: str = "") -> list[int]:
     value = obj.get(key, default)
     if value is ...:
         raise ApiValidationError(where + key, "is required")
-    if not isinstance(value, list) or not all(
-        type(t) is int and 0 <= t < 2**32 for t in value
-    ):
+    if not is_token_ids(value):
         raise ApiValidationError(where + key, "expected a list of token ids (integers in [0, 2**32))")
     return value
 
 
+@overload
+def read_keys(obj: Mapping[str, Any], key: str, where: str = "", *,
+              optional: Literal[False] = False) -> list[BlockKey]: ...
+@overload
+def read_keys(obj: Mapping[str, Any], key: str, where: str = "", *,
+              optional: Literal[True]) -> list[BlockKey] | None: ...
 def read_keys(obj: Mapping[str, Any], key: str, where: str = "", *,
               optional: bool = False) -> list[BlockKey] | None:
     value = obj.get(key)

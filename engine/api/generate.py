@@ -263,8 +263,9 @@ def parse_generate_line(obj: Any) -> GenerateChunk | GenerateFinal:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """What a worker is. Its etcd value under ``/{cluster}/workers/{worker_id}`` is
-    ``to_json()`` without ``worker_id`` (the key names it)."""
+    """What a worker is: ``GET /info`` is ``to_json()``; its etcd value under
+    ``/{cluster}/workers/{worker_id}`` is ``to_etcd_value()``, the same without ``worker_id``
+    (the key names it), read back with ``from_etcd_value``."""
 
     worker_id: str
     address: str                # "http://host:port"
@@ -282,9 +283,20 @@ class WorkerInfo:
             "kv_capacity_blocks": self.kv_capacity_blocks, "max_model_len": self.max_model_len,
         }
 
+    def to_etcd_value(self) -> dict[str, Any]:
+        """The worker's registration value (``to_json()`` less ``worker_id``, which the key holds)."""
+        out = self.to_json()
+        del out["worker_id"]
+        return out
+
+    @classmethod
+    def from_etcd_value(cls, worker_id: str, value: Any) -> WorkerInfo:
+        """Parse a registration value; ``worker_id`` is the last part of its key."""
+        return cls.from_json(value, worker_id=worker_id)
+
     @classmethod
     def from_json(cls, obj: Any, worker_id: str | None = None) -> WorkerInfo:
-        """Parse ``/info`` or an etcd value (pass ``worker_id`` from the key then)."""
+        """Parse ``/info`` (or, with ``worker_id``, an etcd value: see ``from_etcd_value``)."""
         obj = json_object(obj, "worker")
         wid = worker_id if worker_id is not None else read_str(obj, "worker_id")
         try:

@@ -398,7 +398,8 @@ class LocalCluster:
         delay = 0.05
         while True:
             if not child.alive():
-                raise LaunchError(f"{child.name} exited with code {child.proc.returncode} while "
+                code = child.proc.returncode if child.proc is not None else None
+                raise LaunchError(f"{child.name} exited with code {code} while "
                                   f"starting; last lines of {child.log_path}:\n{child.log_tail()}")
             try:
                 if ready():

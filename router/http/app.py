@@ -6,7 +6,8 @@
   renders the chat template; prompt + ``max_tokens`` is checked against the model's context.
 - placement: :class:`router.placement.orchestrator.Orchestrator` in ``config.mode`` (disaggregated,
   colocated or auto, with failover) streams each choice's token ids; :mod:`router.http.choices`
-  turns them into text.
+  turns them into text. What placement and the workers raise becomes an HTTP status and an
+  OpenAI error body in :func:`router.http.errors.openai_error`, nowhere else.
 - text out: :mod:`router.http.openai_responses` builds bodies and SSE chunks.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
@@ -25,7 +26,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,26 +36,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.tokenizer import ChatTemplateError, Tokenizer
-from router.http.choices import ChoiceResult, Delta, collect_choice, run_choice
 from router.config import RouterConfig
+from router.http.choices import ChoiceDelta, ChoiceResult, collect_choice, run_choice
+from router.http.errors import (BadRequest, ModelNotFound, OpenAIError, ServiceUnavailable,
+                                TooManyRequests, Unauthorized, openai_error)
+from router.http.openai_responses import SSE_DONE, ResponseFormatter, ResponseKind, sse, usage_json
+from router.http.openai_types import ChatRequest, CompletionRequest, RequestOptions
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from router.http.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
-from router.http.openai_types import (
-    BadRequest,
-    ChatRequest,
-    CompletionRequest,
-    ModelNotFound,
-    OpenAIError,
-    RequestOptions,
-    ServiceUnavailable,
-    TooManyRequests,
-    Unauthorized,
-)
-from router.placement.orchestrator import Orchestrator
-from router.placement.policy import PrefillPolicy, StorePrefixFn
+from router.placement.errors import PlacementError
+from router.placement.orchestrator import Orchestrator, StorePrefixFn
+from router.placement.prefill import PrefillPolicy
+from router.placement.serving import ServeRequest, Serving
 from router.request_log import RequestLog
-from router.placement.serving import ServeRequest
-from router.workers.client import WorkerError, WorkerRejected
+from router.workers.client import WorkerError
 from router.workers.pool import WorkerPool
 
 __all__ = ["AppState", "create_app"]
@@ -71,7 +65,7 @@ class AppState:
     pool: WorkerPool
     policy: PrefillPolicy
     metrics: RouterMetrics
-    orchestrator: Orchestrator
+    orchestrator: Serving
     in_flight: int = 0
 
 
@@ -111,9 +105,14 @@ def create_app(
     app = FastAPI(title="kvrouter", lifespan=lifespan)
     app.state.router = state
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_req: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+    async def _error(_req: Request, exc: Exception) -> JSONResponse:
+        err = openai_error(exc)
+        if err is None:  # only the types registered below get here
+            raise exc
+        return JSONResponse(err.to_json(), status_code=err.status)
+
+    for error_type in (OpenAIError, PlacementError, WorkerError):
+        app.add_exception_handler(error_type, _error)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -222,16 +221,16 @@ def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: in
     return options.max_tokens
 
 
-async def _serve(state: AppState, http: Request, kind: str, model: str, info: WorkerInfo,
+async def _serve(state: AppState, http: Request, kind: ResponseKind, model: str, info: WorkerInfo,
                  prompts: list[list[int]], options: RequestOptions) -> Response:
     max_tokens = [_check_lengths(p, options, info.max_model_len) for p in prompts]
     if state.in_flight >= state.config.max_inflight_requests:
         state.metrics.requests.labels(kind, "429").inc()
         raise TooManyRequests(f"the router is serving {state.in_flight} requests, its limit; "
                               "retry with backoff")
-    fmt = ResponseFormatter(kind, options.model, state.tokenizer)  # type: ignore[arg-type]
+    fmt = ResponseFormatter(kind, options.model, state.tokenizer)
     arrival = time.monotonic()
-    serves = []
+    serves: list[AsyncGenerator[ChoiceDelta, None]] = []
     for i, prompt in enumerate(prompts):
         state.metrics.prompt_tokens.inc(len(prompt))
         for j in range(options.n):
@@ -248,7 +247,7 @@ async def _serve(state: AppState, http: Request, kind: str, model: str, info: Wo
 
 
 async def _respond(state: AppState, http: Request, fmt: ResponseFormatter, kind: str,
-                   serves: list[AsyncIterator[Delta]], options: RequestOptions,
+                   serves: list[AsyncGenerator[ChoiceDelta, None]], options: RequestOptions,
                    prompt_tokens: int) -> Response:
     """The non-streaming body: every choice collected. A client that disconnects first
     cancels the collection, which closes the choice streams and so aborts the request on
@@ -263,14 +262,9 @@ async def _respond(state: AppState, http: Request, fmt: ResponseFormatter, kind:
     except _ClientGone:
         status = "499"
         return Response(status_code=499)
-    except WorkerRejected as exc:
-        status = "400"
-        raise BadRequest(str(exc)) from exc
-    except WorkerError as exc:
-        status = "503"
-        raise ServiceUnavailable(str(exc)) from exc
-    except OpenAIError as exc:
-        status = str(exc.status)
+    except Exception as exc:  # answered by the app's handlers (router.http.errors)
+        err = openai_error(exc)
+        status = str(err.status) if err is not None else "500"
         raise
     finally:
         state.in_flight -= 1
@@ -329,12 +323,12 @@ def _cached_tokens(stats: dict[int, RequestStats], n: int) -> int:
 
 
 async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
-                  serves: list[AsyncIterator[Delta]], options: RequestOptions,
+                  serves: list[AsyncGenerator[ChoiceDelta, None]], options: RequestOptions,
                   prompt_tokens: int) -> AsyncIterator[bytes]:
     """SSE body: every choice's deltas as they come, usage if asked, ``[DONE]``."""
-    queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
-    async def pump(deltas: AsyncIterator[Delta]) -> None:
+    async def pump(deltas: AsyncGenerator[ChoiceDelta, None]) -> None:
         try:
             async with aclosing(deltas) as stream:
                 async for d in stream:
@@ -360,7 +354,7 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
             if item is None:
                 open_choices -= 1
             elif isinstance(item, BaseException):
-                err = item if isinstance(item, OpenAIError) else ServiceUnavailable(str(item))
+                err = openai_error(item) or ServiceUnavailable(str(item))
                 status = str(err.status)
                 yield sse(err.to_json())
                 break

@@ -1,7 +1,7 @@
-"""One choice's walk from token stream to text: orchestrator → detokenizer → stop strings →
-:class:`Delta` s, with the latency metrics measured where the client sees them.
+"""One choice's walk from token stream to text: placement → detokenizer → stop strings →
+:class:`ChoiceDelta` s, with the latency metrics measured where the client sees them.
 
-``run_choice`` is an async generator of :class:`Delta`; the last one has ``finish_reason``.
+``run_choice`` is an async generator of :class:`ChoiceDelta`; the last one has ``finish_reason``.
 It stops consuming (and so closes the orchestrator's stream, which aborts the request on its
 workers) as soon as a stop string matched; its caller does the same by closing it when the
 client goes away.
@@ -10,22 +10,22 @@ client goes away.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.api.generate import GenerateChunk, RequestStats, TokenLogprob
 from engine.api.tokenizer import Tokenizer
-from router.text.detokenizer import IncrementalDetokenizer
-from router.metrics import RouterMetrics
 from router.http.openai_types import RequestOptions
-from router.placement.serving import Orchestrator, ServeRequest
+from router.metrics import RouterMetrics
+from router.placement.serving import ServeRequest, Serving
+from router.text.detokenizer import IncrementalDetokenizer
 
-__all__ = ["Delta", "ChoiceResult", "run_choice", "collect_choice"]
+__all__ = ["ChoiceDelta", "ChoiceResult", "run_choice", "collect_choice"]
 
 
 @dataclass(slots=True)
-class Delta:
+class ChoiceDelta:
     """New text of one choice, the ids it came from (with logprobs when asked), and the
     finish reason on the last delta."""
 
@@ -49,9 +49,9 @@ class ChoiceResult:
 
 
 async def run_choice(
-    orchestrator: Orchestrator, tokenizer: Tokenizer, metrics: RouterMetrics,
+    serving: Serving, tokenizer: Tokenizer, metrics: RouterMetrics,
     request: ServeRequest, options: RequestOptions, index: int, arrival: float,
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[ChoiceDelta, None]:
     """Serve one choice; see the module docstring. ``arrival``: ``time.monotonic()`` at arrival."""
     detok = IncrementalDetokenizer(
         tokenizer, request.prompt_token_ids, stop=options.stop,
@@ -61,7 +61,7 @@ async def run_choice(
     last = arrival
     produced = 0
     offset = 0
-    async with aclosing(orchestrator.serve(request)) as stream:
+    async with aclosing(serving.serve(request)) as stream:
         async for item in stream:
             now = time.monotonic()
             if isinstance(item, GenerateChunk):
@@ -77,15 +77,15 @@ async def run_choice(
                 used = delta.num_tokens
                 produced += used
                 lps = item.logprobs[:used] if item.logprobs is not None else None
-                yield Delta(index, delta.text, item.token_ids[:used], lps,
-                            "stop" if delta.stopped else None, offset)
+                yield ChoiceDelta(index, delta.text, item.token_ids[:used], lps,
+                                  "stop" if delta.stopped else None, offset)
                 offset += len(delta.text)
                 if delta.stopped:
                     break
             else:
                 tail = detok.flush()  # a stop string can still match in the flushed rest
                 reason = "stop" if detok.stopped else item.finish_reason
-                yield Delta(index, tail, [], None, reason, offset, item.stats)
+                yield ChoiceDelta(index, tail, [], None, reason, offset, item.stats)
                 break
     end = time.monotonic()
     metrics.generation_tokens.inc(produced)
@@ -94,7 +94,7 @@ async def run_choice(
         metrics.tpot.observe((end - first) / (produced - 1))
 
 
-async def collect_choice(deltas: AsyncIterator[Delta], index: int, want_logprobs: bool) -> ChoiceResult:
+async def collect_choice(deltas: AsyncGenerator[ChoiceDelta, None], index: int, want_logprobs: bool) -> ChoiceResult:
     """Drain ``run_choice`` into one non-streaming result."""
     result = ChoiceResult(index, logprobs=[] if want_logprobs else None)
     parts: list[str] = []

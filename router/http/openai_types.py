@@ -1,11 +1,10 @@
 """The OpenAI-compatible request side: parsing and validation of ``/v1/completions`` and
 ``/v1/chat/completions`` bodies, and OpenAI's error objects.
 
-Every parse failure raises :class:`BadRequest` naming the offending field in ``param`` (what
-OpenAI and vLLM do), so the app answers ``400 {"error": {"message", "type", "param",
-"code"}}``. Other statuses: :class:`ModelNotFound` (404), :class:`Unauthorized` (401),
-:class:`TooManyRequests` (429, admission control), :class:`ServiceUnavailable` (503, no
-worker). Unknown fields are ignored (clients send extras), but fields this server cannot
+Every parse failure raises :class:`~router.http.errors.BadRequest` naming the offending field
+in ``param`` (what OpenAI and vLLM do), so the app answers ``400 {"error": {"message", "type",
+"param", "code"}}``. Fields are read with the worker API's readers (``engine.api.fields``); a
+``null`` field is an absent one. Unknown fields are ignored (clients send extras), but fields this server cannot
 honour (``echo``, penalties, ``best_of != n``, ``suffix``, tools) are refused rather than
 silently dropped. vLLM's extras ``cache_salt``, ``top_k``, ``ignore_eos`` and
 ``include_stop_str_in_output`` are accepted.
@@ -16,21 +15,18 @@ knows ``max_model_len``; ``max_tokens=None`` there means "up to the context leng
 
 from __future__ import annotations
 
-import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.api.fields import (ApiValidationError, is_token_ids, read_bool, read_float, read_int,
+                               read_object, read_str, read_token_ids)
 from engine.api.generate import MAX_LOGPROBS, SamplingParams
+from router.http.errors import BadRequest
 
 __all__ = [
-    "OpenAIError",
-    "BadRequest",
-    "Unauthorized",
-    "ModelNotFound",
-    "TooManyRequests",
-    "ServiceUnavailable",
     "RequestOptions",
     "CompletionRequest",
     "ChatRequest",
@@ -43,82 +39,13 @@ MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
 
 
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape with HTTP ``status``."""
-
-    status = 500
-    type = "internal_error"
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-class BadRequest(OpenAIError):
-    status, type = 400, "invalid_request_error"
-
-
-class Unauthorized(OpenAIError):
-    status, type = 401, "invalid_request_error"
-
-    def __init__(self, message: str = "invalid or missing API key (Authorization: Bearer <key>)") -> None:
-        super().__init__(message, code="invalid_api_key")
-
-
-class ModelNotFound(OpenAIError):
-    status, type = 404, "invalid_request_error"
-
-    def __init__(self, model: str, served: list[str]) -> None:
-        super().__init__(f"the model {model!r} does not exist; this server serves {served}",
-                         param="model", code="model_not_found")
-
-
-class TooManyRequests(OpenAIError):
-    status, type = 429, "rate_limit_error"
-
-
-class ServiceUnavailable(OpenAIError):
-    status, type = 503, "service_unavailable"
-
-
-# --- field readers -----------------------------------------------------------------------------
-
-
-def _get(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any,
-         what: str) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise BadRequest(f"'{key}' must be {what}, got {value!r}", param=key)
-    if not isinstance(value, kind):
-        raise BadRequest(f"'{key}' must be {what}, got {value!r}", param=key)
-    return value
-
-
-def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = float(_get(body, key, (int, float), default, "a number"))
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
-    return value
-
-
-def _integer(body: Mapping[str, Any], key: str, default: Any, lo: int, hi: int | None = None) -> Any:
-    value = _get(body, key, int, default, "an integer")
-    if value is not None and (value < lo or (hi is not None and value > hi)):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise BadRequest(f"'{key}' must be {rng}, got {value}", param=key)
-    return value
+def _nulls_dropped(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` without its null fields: clients send ``null`` for "not set"."""
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        type(t) is int and 0 <= t < 2**32 for t in value
-    )
+    return bool(value) and is_token_ids(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +86,7 @@ class RequestOptions:
 
 def _options(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...],
              logprobs: int | None) -> RequestOptions:
-    model = _get(body, "model", str, None, "a string")
+    model = read_str(body, "model", None)
     if not model:
         raise BadRequest("'model' is required", param="model")
     for key, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
@@ -171,7 +98,7 @@ def _options(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...],
     max_tokens = None
     for key in max_tokens_keys:
         if body.get(key) is not None:
-            max_tokens = _integer(body, key, None, 1)
+            max_tokens = read_int(body, key, None, lo=1)
             break
     stop = body.get("stop")
     if stop is not None:
@@ -181,40 +108,48 @@ def _options(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...],
             raise BadRequest("'stop' must be a string or a list of strings", param="stop")
         if len(stop) > MAX_STOP_STRINGS:
             raise BadRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(type(t) is int and t >= 0 for t in stop_ids):
-        raise BadRequest("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-    n = _integer(body, "n", 1, 1, MAX_N)
-    best_of = _integer(body, "best_of", None, 1)
+    stop_ids = read_token_ids(body, "stop_token_ids", [])
+    n = read_int(body, "n", 1, lo=1, hi=MAX_N)
+    best_of = read_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
         raise BadRequest("'best_of' other than n is not supported", param="best_of")
-    stream = _get(body, "stream", bool, False, "a boolean")
-    stream_options = _get(body, "stream_options", dict, None, "an object")
+    stream = read_bool(body, "stream", False)
+    stream_options = read_object(body, "stream_options", None)
     if stream_options is not None and not stream:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    include_usage = _get(stream_options or {}, "include_usage", bool, False, "a boolean")
-    cache_salt = _get(body, "cache_salt", str, None, "a string")
+    include_usage = read_bool(_nulls_dropped(stream_options or {}), "include_usage", False,
+                              where="stream_options.")
+    cache_salt = read_str(body, "cache_salt", None)
     if cache_salt == "":
         raise BadRequest("'cache_salt' must not be empty", param="cache_salt")
     return RequestOptions(
         model=model, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=max(0, _integer(body, "top_k", 0, -1)),  # vLLM's -1 = disabled = our 0
-        seed=_integer(body, "seed", None, -(2**63), 2**64 - 1),
+        temperature=read_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=read_float(body, "top_p", 1.0, lo=1e-9, hi=1.0),
+        top_k=max(0, read_int(body, "top_k", 0, lo=-1)),  # vLLM's -1 = disabled = our 0
+        seed=read_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=tuple(dict.fromkeys(s for s in (stop or []) if s)),
         stop_token_ids=tuple(stop_ids),
-        ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False, "a boolean"),
+        ignore_eos=read_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output", False),
         n=n, stream=stream, include_usage=include_usage, logprobs=logprobs,
-        user=_get(body, "user", str, None, "a string"), cache_salt=cache_salt,
+        user=read_str(body, "user", None), cache_salt=cache_salt,
     )
 
 
-def _body(body: Any) -> Mapping[str, Any]:
+def _body(body: Any) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    return body
+    return _nulls_dropped(body)
+
+
+@contextmanager
+def _fields() -> Iterator[None]:
+    """A field the readers refuse is the client's 400, naming the field."""
+    try:
+        yield
+    except ApiValidationError as exc:
+        raise BadRequest(str(exc), param=exc.field) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +162,12 @@ class CompletionRequest:
 
     @classmethod
     def parse(cls, body: Any) -> CompletionRequest:
-        body = _body(body)
+        with _fields():
+            return cls._parse(body)
+
+    @classmethod
+    def _parse(cls, raw: Any) -> CompletionRequest:
+        body = _body(raw)
         if body.get("echo"):
             raise BadRequest("'echo' is not supported by this server", param="echo")
         prompt = body.get("prompt")
@@ -244,9 +184,9 @@ class CompletionRequest:
             )
         if any(p == "" for p in prompts):
             raise BadRequest("'prompt' must not be empty", param="prompt")
-        logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+        logprobs = read_int(body, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
         options = _options(body, ("max_tokens",), logprobs)
-        if options.max_tokens is None and "max_tokens" not in body:
+        if options.max_tokens is None and "max_tokens" not in raw:   # null: up to the context
             options = replace(options, max_tokens=16)  # OpenAI's default for completions
         return cls(tuple(p if isinstance(p, str) else tuple(p) for p in prompts), options)
 
@@ -263,19 +203,22 @@ class ChatRequest:
 
     @classmethod
     def parse(cls, body: Any) -> ChatRequest:
-        body = _body(body)
+        with _fields():
+            return cls._parse(_body(body))
+
+    @classmethod
+    def _parse(cls, body: dict[str, Any]) -> ChatRequest:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise BadRequest("'messages' must be a non-empty list of messages", param="messages")
         messages = tuple(_message(m, i) for i, m in enumerate(raw))
-        want = _get(body, "logprobs", bool, False, "a boolean")
-        top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        want = read_bool(body, "logprobs", False)
+        top = read_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
         if top is not None and not want:
             raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         options = _options(body, ("max_completion_tokens", "max_tokens"), (top or 0) if want else None)
-        kwargs = _get(body, "chat_template_kwargs", dict, {}, "an object")
-        return cls(messages, options, _get(body, "add_generation_prompt", bool, True, "a boolean"),
-                   dict(kwargs))
+        kwargs = read_object(body, "chat_template_kwargs", {})
+        return cls(messages, options, read_bool(body, "add_generation_prompt", True), dict(kwargs))
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:

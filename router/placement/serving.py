@@ -1,10 +1,11 @@
 """The contract between the HTTP app and whatever moves a request through the workers.
 
 The app (``router/http/app.py``) owns text: it tokenizes, applies the chat template, detokenizes
-and applies stop strings. An :class:`Orchestrator` owns placement: it picks workers, sends
-them :class:`GenerateRequest` s, and yields the token stream of one choice::
+and applies stop strings. Whatever implements :class:`Serving` (``router.placement.
+orchestrator.Orchestrator``) owns placement: it picks workers, sends them
+:class:`GenerateRequest` s, and yields the token stream of one choice::
 
-    async for item in orchestrator.serve(request):   # GenerateChunk ..., then GenerateFinal
+    async for item in serving.serve(request):   # GenerateChunk ..., then GenerateFinal
         ...
 
 Contract of ``serve``:
@@ -16,8 +17,11 @@ Contract of ``serve``:
   prompt again; summing would count the prompt twice, and ``usage``'s cached tokens could
   exceed the prompt); its KV bytes and store seconds are summed over every phase, because
   each phase moved its own.
-- Raises :class:`~router.http.openai_types.OpenAIError` subclasses for what the client should see
-  before any token (``ServiceUnavailable`` when no worker can serve, ``TooManyRequests``).
+- Raises domain errors, never HTTP ones: :class:`~router.placement.errors.NoCapacity` when no
+  worker can serve the request (before the first token, or when every worker that could
+  continue it has failed), ``router.workers.client.WorkerRejected`` when a worker refuses
+  it (its subclass ``KeyMismatch``: prefill and decode workers disagree on block keys).
+  ``router.http.errors`` maps them to statuses and OpenAI bodies.
 - If the caller stops iterating early (a stop string matched, the client disconnected) it
   closes the generator (``aclose``); the orchestrator's ``finally`` then aborts the request on
   every worker that holds it, so its KV is freed.
@@ -25,14 +29,14 @@ Contract of ``serve``:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.api.generate import GenerateChunk, GenerateFinal, SamplingParams
 from kvstore.keys import BlockKey, block_keys, salted
 
-__all__ = ["ServeRequest", "Orchestrator"]
+__all__ = ["ServeRequest", "Serving"]
 
 
 @dataclass(slots=True)
@@ -58,7 +62,9 @@ class ServeRequest:
         return keys
 
 
-class Orchestrator(Protocol):
-    def serve(self, request: ServeRequest) -> AsyncIterator[GenerateChunk | GenerateFinal]:
+class Serving(Protocol):
+    """What the app needs of placement: one choice's token stream."""
+
+    def serve(self, request: ServeRequest) -> AsyncGenerator[GenerateChunk | GenerateFinal, None]:
         """Run one choice; see the module docstring for the contract."""
         ...

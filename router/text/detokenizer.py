@@ -36,14 +36,14 @@ from dataclasses import dataclass
 
 from engine.api.tokenizer import Tokenizer
 
-__all__ = ["Delta", "IncrementalDetokenizer", "normalize_stop"]
+__all__ = ["TextDelta", "IncrementalDetokenizer", "normalize_stop"]
 
 _PROMPT_CONTEXT_TOKENS = 6  # prompt ids the decoding window starts with (at most)
 _INCOMPLETE = "\ufffd"      # what decode gives for bytes of a character not yet complete
 
 
 @dataclass(frozen=True, slots=True)
-class Delta:
+class TextDelta:
     """What one ``push`` produced.
 
     ``text``: new stable text to send. ``num_tokens``: how many of the pushed ids were
@@ -106,10 +106,10 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_str is not None
 
-    def push(self, token_ids: Sequence[int]) -> Delta:
+    def push(self, token_ids: Sequence[int]) -> TextDelta:
         """Feed new output ids; returns the text that became stable."""
         if self.stopped:
-            return Delta("", 0, None)
+            return TextDelta("", 0, None)
         out: list[str] = []
         for i, token_id in enumerate(token_ids):
             self._ids.append(token_id)
@@ -119,9 +119,9 @@ class IncrementalDetokenizer:
                 continue
             self._held += piece
             if self._check_stop(out):
-                return Delta(self._record(out), i + 1, self.stop_str)
+                return TextDelta(self._record(out), i + 1, self.stop_str)
             self._emit_safe(out)
-        return Delta(self._record(out), len(token_ids))
+        return TextDelta(self._record(out), len(token_ids))
 
     def flush(self) -> str:
         """The stream ended: release the text held back, and the window's rest as ``decode``

@@ -2,9 +2,11 @@
 
 - ``generate(request)`` streams :class:`GenerateChunk` lines and ends with exactly one
   :class:`GenerateFinal`; a stream that breaks first raises :class:`WorkerUnavailable` (the
-  orchestrator retries or resumes elsewhere), a refused request :class:`WorkerRejected`.
+  orchestrator retries or resumes elsewhere), a refused request :class:`WorkerRejected`
+  (HTTP 4xx), or :class:`KeyMismatch` for the API's 409 (the worker's block keys for the
+  prompt differ from the ``block_keys`` it was given).
 - ``abort(request_id)`` frees what a request holds; best effort, never raises.
-- ``follow_events(index, on_load)`` keeps a :class:`~router.placement.kv_index.KvIndex` in step with
+- ``follow_events(index, on_load)`` keeps a :class:`~router.workers.kv_index.KvIndex` in step with
   the worker's event stream: snapshot, then events from ``snapshot.seq``; on a gap or a
   broken stream it resynchronizes from a fresh snapshot (after ``retry_interval`` if the
   worker could not be reached). Runs until cancelled.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from typing import Any
 
@@ -45,9 +47,9 @@ from engine.api.events import (
     WorkerEvent,
     parse_event,
 )
-from router.placement.kv_index import KvIndex
+from router.workers.kv_index import KvIndex
 
-__all__ = ["WorkerClient", "WorkerError", "WorkerUnavailable", "WorkerRejected"]
+__all__ = ["WorkerClient", "WorkerError", "WorkerUnavailable", "WorkerRejected", "KeyMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ class WorkerRejected(WorkerError):
         self.status = status
 
 
+class KeyMismatch(WorkerRejected):
+    """The worker's block keys for the prompt differ from the ones it was given (HTTP 409):
+    the prefill and decode workers disagree on the model or the KV layout."""
+
+
 class WorkerClient:
     """One worker's API over a pooled ``httpx.AsyncClient``. Close with ``aclose``."""
 
@@ -94,7 +101,7 @@ class WorkerClient:
 
     # --- requests -------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk | GenerateFinal]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk | GenerateFinal, None]:
         """Stream one request's output; the last item is always a :class:`GenerateFinal`."""
         with self._failures(f"generate {request.request_id}"):
             async with self._http.stream("POST", "/generate", json=request.to_json(),
@@ -132,7 +139,7 @@ class WorkerClient:
         except WorkerUnavailable:
             return False
 
-    async def events(self, since: int) -> AsyncIterator[WorkerEvent]:
+    async def events(self, since: int) -> AsyncGenerator[WorkerEvent, None]:
         """``GET /events?since=``: events after ``since``, until the stream ends."""
         timeout = httpx.Timeout(self._timeout, read=None)
         with self._failures("event stream"):
@@ -197,6 +204,8 @@ class WorkerClient:
         text = resp.text[:500]
         if resp.status_code >= 500:
             raise WorkerUnavailable(self.worker_id, f"HTTP {resp.status_code}: {text}")
+        if resp.status_code == 409:
+            raise KeyMismatch(self.worker_id, resp.status_code, text)
         raise WorkerRejected(self.worker_id, resp.status_code, text)
 
     def _json(self, text: str) -> Any:

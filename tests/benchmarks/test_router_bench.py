@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.router_bench import build_workload, make_index, make_workers
-from router.placement.policy import PrefillPolicy
+from router.placement.prefill import PrefillPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 

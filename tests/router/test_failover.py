@@ -32,13 +32,14 @@ from engine.api.generate import (GenerateFinal, GenerateRequest, RequestStats, S
 from engine.api.events import LoadFigures
 from engine.api.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
-from router.placement.failover import pick_decode, with_room
 from router.cluster.launcher import ChildProcess, LocalCluster
 from router.metrics import RouterMetrics
-from router.http.openai_types import ServiceUnavailable
+from router.placement.decode import choose_decode, with_room
+from router.placement.errors import NoCapacity
 from router.placement.orchestrator import Orchestrator
-from router.placement.policy import PrefillPolicy, WorkerLoad
+from router.placement.prefill import PrefillPolicy
 from router.request_log import RequestLog
+from router.workers.load import WorkerLoad
 from router.placement.serving import ServeRequest
 from router.workers.client import WorkerUnavailable
 from router.workers.pool import StaticMembership, WorkerHandle, WorkerPool
@@ -205,16 +206,16 @@ def _handle(wid: str, capacity: int, free: int, running: int = 0) -> WorkerHandl
 def test_decode_choice_prefers_room_then_least_loaded() -> None:
     busy_roomy, idle_roomy, full = _handle("a", 64, 40, 3), _handle("b", 64, 40, 1), _handle("c", 64, 1)
     # 100 + 200 tokens = 19 blocks: a and b have room, b is less loaded.
-    assert pick_decode([busy_roomy, idle_roomy, full], 100, 200) is idle_roomy
+    assert choose_decode([busy_roomy, idle_roomy, full], 100, 200) is idle_roomy
     assert with_room([busy_roomy, idle_roomy, full], 100, 200) == [busy_roomy, idle_roomy]
 
 
 def test_decode_choice_waits_on_a_busy_worker_rather_than_failing() -> None:
     a, b = _handle("a", 64, 2, 5), _handle("b", 64, 3, 9)
     # Nobody has 19 free blocks now, but both caches could hold it: queue at the least loaded.
-    assert pick_decode([a, b], 100, 200) is a
+    assert choose_decode([a, b], 100, 200) is a
     # 2000 tokens = 125 blocks fit in no cache at all: nowhere to go.
-    assert pick_decode([a, b], 1000, 1000) is None and with_room([a, b], 1000, 1000) == []
+    assert choose_decode([a, b], 1000, 1000) is None and with_room([a, b], 1000, 1000) == []
 
 
 # --- the orchestrator's failover logic against fake workers (in-process, fast) -----------
@@ -308,7 +309,7 @@ def test_every_worker_failing_ends_in_503(tmp_path: Path) -> None:
         wa.break_after = wb.break_after = 1
         orch, pool, log_path = await _fake_router(tmp_path, wa, wb)
         try:
-            with pytest.raises(ServiceUnavailable, match="no decode worker"):
+            with pytest.raises(NoCapacity, match="no decode worker"):
                 _ = [x async for x in orch.serve(ServeRequest("r3", "tiny", [1, 2],
                                                               SamplingParams(max_tokens=9)))]
             rec = records(log_path)[0]
@@ -340,7 +341,7 @@ def test_a_worker_dropped_by_the_pool_mid_request_fails_over(tmp_path: Path) -> 
             assert [r.request_id for r in wb.requests] == ["r4"] and not wa.requests
             # Every worker gone that way: a 503, not an internal error.
             await handles["wb"].client.aclose()
-            with pytest.raises(ServiceUnavailable):
+            with pytest.raises(NoCapacity):
                 _ = [x async for x in orch.serve(ServeRequest("r5", "tiny", [1, 2],
                                                               SamplingParams(max_tokens=3)))]
             failed = records(log_path)[-1]["phases"]

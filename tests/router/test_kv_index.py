@@ -6,7 +6,7 @@ import time
 
 from engine.api.events import BlockEvent, LoadEvent, LoadFigures, Snapshot
 from kvstore.keys import block_keys
-from router.placement.kv_index import KvIndex
+from router.workers.kv_index import KvIndex
 
 NS = bytes(16)
 

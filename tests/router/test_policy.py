@@ -8,16 +8,13 @@ import pytest
 from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.events import LoadFigures, Snapshot
 from kvstore.keys import block_keys
-from router.placement.kv_index import KvIndex
-from router.placement.policy import (
-    LinearCost,
-    PrefillPolicy,
-    RateConfig,
-    WorkerLoad,
-    blocks_needed,
-    choose_decode,
-    prefer_local,
-)
+from engine.api.blocks import blocks_needed
+from router.placement.decode import choose_decode
+from router.placement.prefill import PrefillPolicy, prefer_local
+from router.workers.fit import LinearCost, RateConfig
+from router.workers.kv_index import KvIndex
+from router.workers.load import WorkerLoad
+from router.workers.pool import WorkerHandle
 
 NS = bytes(16)
 BS = 16
@@ -278,11 +275,16 @@ def test_decode_choice_needs_free_blocks_then_least_load() -> None:
     small, big, busy = _worker("small", "decode", 10), _worker("big", "decode", 100), _worker("busy", "decode", 100)
     busy.observe_load(LoadFigures(running=5, kv_free_blocks=90, kv_total_blocks=100))
     assert blocks_needed(100, 100, BS) == 13
-    assert choose_decode([small, big, busy], 100, 100) is big
+    handles = [_handle(w) for w in (small, big, busy)]
+    assert choose_decode(handles, 100, 100).load is big
     big.assign(blocks=95)  # this router already promised most of big
-    assert choose_decode([small, big, busy], 100, 100) is busy
-    assert choose_decode([small, big, busy], 100, 10_000) is None
-    assert choose_decode([small], 50, 50) is small
+    assert choose_decode(handles, 100, 100).load is busy
+    assert choose_decode(handles, 100, 10_000) is None
+    assert choose_decode(handles[:1], 50, 50).load is small
+
+
+def _handle(load: WorkerLoad) -> WorkerHandle:
+    return WorkerHandle(load.info, client=None, load=load, events_task=None)  # type: ignore[arg-type]
 
 
 def test_auto_mode_threshold() -> None:

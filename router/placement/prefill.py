@@ -1,0 +1,93 @@
+"""The prefill choice: which worker computes a prompt, and whether ``auto`` mode keeps it local.
+
+``kv-aware`` picks the lowest estimated time to first token (``router.placement.cost``: queue
++ prefill of the uncached tokens + store load of the store-hit ones, device hits from the
+:class:`~router.workers.kv_index.KvIndex`, store hits counted by the caller);
+``least-loaded`` picks the fewest queued+running requests; ``round-robin`` rotates. Ties
+break on worker id, so choices are deterministic. A failed prefill's retry goes to the other
+prefill worker with the least queued prefill (:func:`choose_retry`). ``auto`` mode prefills
+on the decode worker itself when the part it would compute is short (:func:`prefer_local`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+from typing import Literal
+
+from router.placement.cost import PrefillEstimate, estimate_prefill, ttft_s
+from router.workers.kv_index import KvIndex
+from router.workers.load import WorkerLoad
+from router.workers.pool import WorkerHandle
+
+__all__ = ["PrefillPolicyName", "PREFILL_POLICIES", "PrefillPolicy", "choose_retry", "prefer_local"]
+
+PrefillPolicyName = Literal["kv-aware", "least-loaded", "round-robin"]
+PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("kv-aware", "least-loaded", "round-robin")
+
+
+class PrefillPolicy:
+    """Chooses the prefill worker for a prompt (see the module docstring)."""
+
+    def __init__(self, name: PrefillPolicyName, index: KvIndex) -> None:
+        if name not in PREFILL_POLICIES:
+            raise ValueError(f"unknown prefill policy {name!r}; choose one of {PREFILL_POLICIES}")
+        self.name = name
+        self._index = index
+        self._counter = itertools.count()
+
+    def estimates(
+        self, candidates: Sequence[WorkerLoad], keys: Sequence[bytes], num_tokens: int,
+        store_blocks: int = 0,
+    ) -> list[PrefillEstimate]:
+        """Every candidate's estimate (one index walk for all of them)."""
+        matches = self._index.match(keys, [w.worker_id for w in candidates])
+        return [estimate_prefill(w, num_tokens, matches[w.worker_id], store_blocks)
+                for w in candidates]
+
+    def choose(
+        self, candidates: Sequence[WorkerLoad], keys: Sequence[bytes], num_tokens: int,
+        store_blocks: int = 0,
+    ) -> tuple[WorkerLoad, PrefillEstimate] | None:
+        """The chosen worker and its estimate; None when there is no candidate."""
+        if not candidates:
+            return None
+        if self.name == "round-robin":
+            ordered = sorted(candidates, key=lambda w: w.worker_id)
+            w = ordered[next(self._counter) % len(ordered)]
+            return w, self._estimate(w, keys, num_tokens, store_blocks)
+        # One index walk, then a float per candidate; the minimum of (primary, secondary,
+        # worker id) is what sorting by worker id and taking the first minimum would give.
+        matches = self._index.match(keys, [w.worker_id for w in candidates])
+        best, best_ttft = None, 0.0
+        for w in candidates:
+            ttft = ttft_s(w, num_tokens, matches[w.worker_id], store_blocks)
+            if best is None:
+                best, best_ttft = w, ttft
+            elif self.name == "kv-aware":
+                if ttft < best_ttft or (ttft == best_ttft and (w.load, w.worker_id) < (best.load, best.worker_id)):
+                    best, best_ttft = w, ttft
+            elif (w.load, ttft, w.worker_id) < (best.load, best_ttft, best.worker_id):
+                best, best_ttft = w, ttft
+        assert best is not None
+        return best, estimate_prefill(best, num_tokens, matches[best.worker_id], store_blocks)
+
+    def _estimate(self, w: WorkerLoad, keys: Sequence[bytes], num_tokens: int,
+                  store_blocks: int) -> PrefillEstimate:
+        return estimate_prefill(w, num_tokens, self._index.match(keys, [w.worker_id])[w.worker_id],
+                                store_blocks)
+
+
+def choose_retry(candidates: Sequence[WorkerHandle], failed: Collection[str]) -> WorkerHandle | None:
+    """A failed prefill's next worker: of those that have not failed it, the one with the
+    least queued prefill (then the least loaded); None when none is left."""
+    options = [w for w in candidates if w.worker_id not in failed]
+    if not options:
+        return None
+    return min(options, key=lambda w: (w.load.pending_prefill_tokens, w.load.load, w.worker_id))
+
+
+def prefer_local(estimate: PrefillEstimate, threshold_tokens: int) -> bool:
+    """``auto`` mode: prefill on the decode worker itself when the part it would compute is
+    short (below ``threshold_tokens``); a transfer through the store would cost more."""
+    return estimate.uncached_tokens < threshold_tokens
