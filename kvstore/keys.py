@@ -76,7 +76,7 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     ``np.asarray`` on a Python list); anything it refuses takes the NumPy path, which either
     accepts it as before or says what is wrong.
     """
-    if type(token_ids) in (list, tuple) and not _all_bools(token_ids):
+    if (type(token_ids) is list or type(token_ids) is tuple) and not _all_bools(token_ids):
         try:
             arr = array.array(_U32, token_ids)
         except (TypeError, OverflowError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from typing import Any
 
@@ -28,7 +29,8 @@ class AsyncClient:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.address = address
-        self._kwargs = dict(auth_token=auth_token, timeout=timeout, transport=transport)
+        self._connect = functools.partial(Client, address, auth_token=auth_token, timeout=timeout,
+                                          transport=transport)
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, "kvstore-async")
         self._local = threading.local()
         self._clients: list[Client] = []
@@ -37,7 +39,7 @@ class AsyncClient:
     def _client(self) -> Client:
         c = getattr(self._local, "client", None)
         if c is None:
-            c = self._local.client = Client(self.address, **self._kwargs)
+            c = self._local.client = self._connect()
             with self._lock:
                 self._clients.append(c)
         return c

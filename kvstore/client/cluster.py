@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from kvstore.client.node import Client
 from kvstore.errors import StoreFull, StoreUnavailable
 from kvstore.coord import layout
-from kvstore.coord.etcd import EtcdClient
+from kvstore.coord.etcd import EtcdClient, client_for
 from kvstore.coord.membership import Membership, MembershipChange
 from kvstore.client.placement import Placement
 
@@ -75,8 +75,7 @@ class ClusterClient:
         self._down_until: dict[str, float] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
-        self._owns_etcd = not isinstance(etcd, EtcdClient)
-        self._etcd = EtcdClient(etcd) if self._owns_etcd else etcd
+        self._etcd, self._owns_etcd = client_for(etcd)
         self._membership = Membership(self._etcd, self.prefix, on_change=self._on_change)
         try:
             self._membership.start()  # EtcdUnavailable is a StoreUnavailable

@@ -212,6 +212,7 @@ class Client:
         offsets = np.frombuffer(meta, "<u8").tolist()
         mine = [k for k, off in zip(keys, offsets) if off != P.MISSING]
         arena = conn.arena_np
+        assert arena is not None, "the shared-memory path runs on a mapped connection only"
         try:
             for src, off in zip(srcs, offsets):
                 if off != P.MISSING:
@@ -242,6 +243,7 @@ class Client:
 
     def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
         arena = conn.arena_np
+        assert arena is not None, "the shared-memory path runs on a mapped connection only"
         with _pinned(conn, keys) as (offsets, sizes):
             for i, (d, off, s) in enumerate(zip(dests, offsets, sizes)):
                 if s == P.MISSING:
@@ -254,8 +256,10 @@ class Client:
         return [s != P.MISSING for s in sizes]
 
     def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:
+        arena = conn.arena
+        assert arena is not None, "the shared-memory path runs on a mapped connection only"
         with _pinned(conn, keys) as (offsets, sizes):
-            return [None if s == P.MISSING else conn.arena.buf[off: off + s].tobytes()
+            return [None if s == P.MISSING else arena.buf[off: off + s].tobytes()
                     for off, s in zip(offsets, sizes)]
 
     # --- connection ------------------------------------------------------------------------

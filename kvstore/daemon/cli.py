@@ -20,9 +20,15 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
+
+if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick
+    from kvstore.coord.registration import Registration
+    from kvstore.daemon.metrics import StoreMetrics
+    from kvstore.net.server import StoreServer
+    from kvstore.node.store import BlockStore
 
 __all__ = ["main", "Daemon"]
 
@@ -40,10 +46,10 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = None
-        self.server = None
-        self.metrics = None
-        self.registration = None
+        self.store: BlockStore | None = None
+        self.server: StoreServer | None = None
+        self.metrics: StoreMetrics | None = None
+        self.registration: Registration | None = None
         self._thread: threading.Thread | None = None
         self.node_id: str | None = None
 
@@ -54,53 +60,65 @@ class Daemon:
         from kvstore.node.store import BlockStore, StoreConfig
 
         c = self.config
-        self.node_id = load_node_id(c.ssd_path)
+        node_id = self.node_id = load_node_id(c.ssd_path)
         remove_stale_arenas()  # of daemons that died without unlinking theirs (arena.py)
-        self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
-                                            ssd_capacity_bytes=c.ssd_capacity_bytes,
-                                            gpu_memory_bytes=c.gpu_memory_bytes))
+        store = self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
+                                                    ssd_capacity_bytes=c.ssd_capacity_bytes,
+                                                    gpu_memory_bytes=c.gpu_memory_bytes))
         try:
-            self.server = StoreServer(self.store, host=c.host, port=c.port, node_id=self.node_id,
-                                      auth_token=c.auth_token, io_timeout=c.io_timeout)
-            self.metrics = StoreMetrics(self.store.stats, lambda: self.server.connection_count)
-            self.server.metrics = self.metrics
-            self.server.bind()
+            server = self.server = StoreServer(store, host=c.host, port=c.port, node_id=node_id,
+                                               auth_token=c.auth_token, io_timeout=c.io_timeout)
+            metrics = self.metrics = StoreMetrics(store.stats, lambda: server.connection_count)
+            server.metrics = metrics
+            server.bind()
             if c.metrics_port is not None:
-                self.metrics.serve(c.metrics_port, c.host)
-            self._thread = threading.Thread(target=self.server.serve_forever,
+                metrics.serve(c.metrics_port, c.host)
+            self._thread = threading.Thread(target=server.serve_forever,
                                             name="kvstore-accept", daemon=True)
             self._thread.start()
             if c.etcd:
-                self._register()
+                self._register(c.etcd, node_id, server.host_id)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _bound(self) -> tuple[str, int]:
+        assert self.server is not None and self.server.address is not None, "start() first"
+        return self.server.address
+
     @property
     def address(self) -> str:
-        host, port = self.server.address
+        host, port = self._bound()
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def advertised_address(self) -> str:
         if self.config.advertise:
             return self.config.advertise
-        host, port = self.server.address
+        host, port = self._bound()
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def _register(self) -> None:
+    def ready_line(self) -> str:
+        """The line ``kvstore serve`` prints once the node accepts connections (module docstring)."""
+        assert self.store is not None and self.metrics is not None, "start() first"
+        c = self.config
+        metrics = f"{c.host}:{self.metrics.port}" if self.metrics.port else "-"
+        return (f"kvstore ready address={self.address} node_id={self.node_id} "
+                f"arena={self.store.arena.name} memory={format_size(c.memory_bytes)} "
+                f"metrics={metrics}")
+
+    def _register(self, etcd: str, node_id: str, host_id: str) -> None:
         from kvstore.coord.registration import register
 
         c = self.config
         tiers = ["host"] + (["ssd"] if c.ssd_path else []) + (["gpu"] if c.gpu_memory_bytes else [])
-        value = {"address": self.advertised_address(), "host_id": self.server.host_id,
-                 "node_id": self.node_id,
+        value = {"address": self.advertised_address(), "host_id": host_id, "node_id": node_id,
                  "capacity": {"memory": c.memory_bytes, "ssd": c.ssd_capacity_bytes,
                               "gpu": c.gpu_memory_bytes},
                  "tiers": tiers}
-        self.registration = register(c.etcd, c.cluster, "stores", self.node_id, value,
+        self.registration = register(etcd, c.cluster, "stores", node_id, value,
                                      ttl=c.registration_ttl)
 
     def stop(self) -> None:
@@ -137,10 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     daemon = Daemon(config).start()
     try:
-        metrics = f"{config.host}:{daemon.metrics.port}" if daemon.metrics.port else "-"
-        print(f"kvstore ready address={daemon.address} node_id={daemon.node_id} "
-              f"arena={daemon.store.arena.name} memory={format_size(config.memory_bytes)} "
-              f"metrics={metrics}", flush=True)
+        print(daemon.ready_line(), flush=True)
         while not stop.wait(1.0):
             pass
         log.info("stopping")
@@ -221,7 +236,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.version import installed_version
 
-    p = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvstore", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -27,15 +27,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from kvstore.node.stats import StoreStats
+
 __all__ = ["StoreMetrics"]
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _GAUGES = {"used_bytes", "allocated_bytes", "capacity_bytes", "blocks", "pinned_blocks"}
-
-
-def _as_dict(stats: Any) -> dict[str, Any]:
-    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
 
 
 class _StoreCollector(Collector):
@@ -47,12 +45,12 @@ class _StoreCollector(Collector):
     here.
     """
 
-    def __init__(self, stats: Callable[[], Any], connections: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], connections: Callable[[], int]) -> None:
         self._stats = stats
         self._connections = connections
 
     def collect(self) -> Iterable[Any]:
-        s = _as_dict(self._stats())
+        s = dataclasses.asdict(self._stats())
         per_tier: dict[str, dict[str, float]] = {}
         for tier, t in s.items():
             if isinstance(t, dict):
@@ -77,7 +75,8 @@ class StoreMetrics:
     """The daemon's metrics. ``observe``/``transferred``/``error`` are called by the server;
     ``serve(port)`` exposes ``/metrics`` over HTTP until ``close()``."""
 
-    def __init__(self, stats: Callable[[], Any], connections: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, stats: Callable[[], StoreStats],
+                 connections: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._latency = Histogram("kvstore_op_seconds", "Request latency per protocol op",
                                   ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)

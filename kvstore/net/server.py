@@ -23,15 +23,16 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Literal, NoReturn, Protocol
 
 import numpy as np
 
 from kvstore.net import protocol as P
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
+from kvstore.node.store import BlockStore
 
-__all__ = ["StoreServer", "load_node_id"]
+__all__ = ["ServerMetrics", "StoreServer", "load_node_id"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,23 @@ def load_node_id(ssd_path: str | None) -> str:
     return node_id
 
 
+Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
+DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
+
+
+class ServerMetrics(Protocol):
+    """What the server reports to, as it serves (``kvstore.daemon.metrics.StoreMetrics``)."""
+
+    def observe(self, op: str, seconds: float) -> None:
+        """One request of ``op`` (a protocol op's name, lower case) took ``seconds``."""
+
+    def transferred(self, direction: Direction, path: DataPath, nbytes: int) -> None:
+        """``nbytes`` of values moved."""
+
+    def error(self, code: str) -> None:
+        """One error answer of ``code`` (an error code's name, lower case)."""
+
+
 class _Close(Exception):
     """End this connection (after an error frame was sent, or the stream is unusable)."""
 
@@ -70,13 +88,14 @@ class _Close(Exception):
 class StoreServer:
     """Serves one ``BlockStore`` over the kvstore protocol.
 
-    ``metrics`` (optional) receives ``observe(op, seconds)``, ``transferred(direction, path,
-    nbytes)`` and ``error(code)`` calls. Construction has no side effects; ``bind()`` opens
+    ``metrics`` (optional, a ``ServerMetrics``) receives ``observe(op, seconds)``,
+    ``transferred(direction, path, nbytes)`` and ``error(code)`` calls. Construction has no side effects; ``bind()`` opens
     the listening socket and ``serve_forever()`` accepts until ``shutdown()``.
     """
 
-    def __init__(self, store, *, host: str, port: int, node_id: str, auth_token: str | None = None,
-                 io_timeout: float = 30.0, metrics=None) -> None:
+    def __init__(self, store: BlockStore, *, host: str, port: int, node_id: str,
+                 auth_token: str | None = None, io_timeout: float = 30.0,
+                 metrics: ServerMetrics | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self.host_id = P.local_host_id()
@@ -99,8 +118,9 @@ class StoreServer:
         sock.listen(128)
         sock.settimeout(_IDLE_POLL_S)
         self._listener = sock
-        self.address = sock.getsockname()[:2]
-        return self.address
+        address: tuple[str, int] = sock.getsockname()[:2]
+        self.address = address
+        return address
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "bind() first"
@@ -262,7 +282,7 @@ class _Connection:
         meta = P.pack_error(code, str(exc))
         self.sock.sendall(P.pack_header(op, P.FLAG_RESPONSE | P.FLAG_ERROR, rid, len(meta)) + meta)
 
-    def _fail(self, op: int, rid: int, exc: KVStoreError) -> None:
+    def _fail(self, op: int, rid: int, exc: KVStoreError) -> NoReturn:
         """Answer ``exc`` if the socket still takes it, then end the connection."""
         log.info("closing connection %s: %s", self.peer, exc)
         try:
@@ -284,7 +304,7 @@ class _Connection:
         except Exception:
             log.exception("releasing the reservations and pins of %s failed", self.peer)
 
-    def _count(self, direction: str, path: str, nbytes: int) -> None:
+    def _count(self, direction: Direction, path: DataPath, nbytes: int) -> None:
         if self.server.metrics is not None and nbytes:
             self.server.metrics.transferred(direction, path, nbytes)
 
@@ -362,9 +382,7 @@ class _Connection:
         self._reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
 
     def _stats(self, h: P.Header, meta: memoryview) -> None:
-        stats = self.store.stats()
-        if dataclasses.is_dataclass(stats):
-            stats = dataclasses.asdict(stats)
+        stats = dataclasses.asdict(self.store.stats())
         self._reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
 
     def _reserve(self, h: P.Header, meta: memoryview) -> None:

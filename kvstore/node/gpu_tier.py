@@ -96,8 +96,11 @@ class GpuTier:
         return True
 
     def close(self) -> None:
+        """Free the device memory; the tier is then empty and holds nothing (capacity 0)."""
         self._lru.clear()
-        self._buf = None
+        self.value_bytes = 0
+        self.capacity = 0  # put() stores nothing from now on
+        self._buf = self._buf.new_empty(0)
 
     def _read(self, offset: int, size: int) -> bytes:
         return self._buf[offset : offset + size].cpu().numpy().tobytes()

@@ -117,9 +117,12 @@ class BlockStore:
         self._lock = threading.Lock()
         self._closed = False
         self._s_host = TierStats(capacity_bytes=self._host.capacity)
-        self._s_gpu = TierStats(capacity_bytes=self._gpu.capacity) if self._gpu is not None else None
-        self._s_ssd = TierStats(capacity_bytes=self._ssd.capacity) if self._ssd is not None else None
-        self._counters = StoreStats(host=self._s_host, gpu=self._s_gpu, ssd=self._s_ssd)
+        # Counters of every tier exist; those of a tier not configured are not reported.
+        self._s_gpu = TierStats(capacity_bytes=self._gpu.capacity if self._gpu is not None else 0)
+        self._s_ssd = TierStats(capacity_bytes=self._ssd.capacity if self._ssd is not None else 0)
+        self._counters = StoreStats(host=self._s_host,
+                                    gpu=self._s_gpu if self._gpu is not None else None,
+                                    ssd=self._s_ssd if self._ssd is not None else None)
         self._tiers = Tiering(self._host, self._gpu, self._ssd, self.arena, self._lock,
                               self._counters,
                               high_bytes=int(config.high_watermark * self._host.capacity),
@@ -169,10 +172,12 @@ class BlockStore:
         keys = list(keys)
         with self._lock:
             self._check_open()
-            entries = [self._host.get(k) for k in keys]
-            for k, e in zip(keys, entries):
+            entries: list[HostEntry] = []
+            for k in keys:
+                e = self._host.get(k)
                 if e is None or e.state is not EntryState.RESERVED:
                     raise ReservationError(f"commit of {k!r}, which is not reserved")
+                entries.append(e)
         buf = self.arena.buf
         sums = [checksum(buf[e.offset : e.offset + e.size]) for e in entries]
         with self._lock:
@@ -265,10 +270,12 @@ class BlockStore:
         """End reads of pinned blocks; they become the most recently used (head last)."""
         keys = list(keys)
         with self._lock:
-            entries = [self._host.get(k) for k in keys]
-            for k, e in zip(keys, entries):
+            entries: list[HostEntry] = []
+            for k in keys:
+                e = self._host.get(k)
                 if e is None or e.pins <= 0:
                     raise ReservationError(f"unpin of {k!r}, which is not pinned")
+                entries.append(e)
             for e in reversed(entries):
                 self._host.unpin(e, owner)
 

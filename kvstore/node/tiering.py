@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -30,6 +31,9 @@ from kvstore.node.host_tier import HostEntry, HostIndex
 from kvstore.keys import BlockKey
 from kvstore.node.ssd_tier import SsdTier
 from kvstore.node.stats import StoreStats
+
+if TYPE_CHECKING:
+    from kvstore.node.gpu_tier import GpuTier
 
 __all__ = ["Tiering", "DEMOTE_CHUNK"]
 
@@ -41,7 +45,7 @@ DEMOTE_CHUNK = 64 << 20  # bytes per demotion transaction
 class Tiering:
     """The demotion/promotion policy over one store's tiers (see the module docstring)."""
 
-    def __init__(self, host: HostIndex, gpu, ssd: SsdTier | None, arena: Arena,
+    def __init__(self, host: HostIndex, gpu: GpuTier | None, ssd: SsdTier | None, arena: Arena,
                  lock: threading.Lock, counters: StoreStats, high_bytes: int, low_bytes: int
                  ) -> None:
         self._host, self._gpu, self._ssd, self._arena = host, gpu, ssd, arena
@@ -67,18 +71,21 @@ class Tiering:
     def promote_from_gpu_locked(self, key: BlockKey, owner: Hashable | None) -> HostEntry | None:
         """Move ``key`` from the GPU tier into the arena, pinned for ``owner``; None if it
         is not there or does not fit."""
-        size = self._gpu.size_of(key)
+        gpu, stats = self._gpu, self._s_gpu
+        assert gpu is not None and stats is not None, "the store has no GPU tier"
+        size = gpu.size_of(key)
         if size is None:
-            self._s_gpu.misses += 1
+            stats.misses += 1
             return None
         slot = self.reserve_slot_locked(key, size)
         if slot is None:
-            self._s_gpu.misses += 1
+            stats.misses += 1
             return None
-        c = self._gpu.take_into(key, self._arena.buf[slot.offset : slot.offset + size])
+        c = gpu.take_into(key, self._arena.buf[slot.offset : slot.offset + size])
+        assert c is not None, "the block left the GPU tier under the lock"
         self._host.commit(slot, c, pin_owner=owner, pinned=True)
-        self._s_gpu.hits += 1
-        self._s_gpu.bytes_out += size
+        stats.hits += 1
+        stats.bytes_out += size
         self._count_promotion(size)
         return slot
 
@@ -86,18 +93,20 @@ class Tiering:
                          ) -> list[bool]:
         """Read SSD blocks into their reserved ``(slot, checksum)``s outside the lock, then
         commit them pinned for ``owner``; which ones arrived (a damaged one is a miss)."""
+        ssd, stats = self._ssd, self._s_ssd
+        assert ssd is not None and stats is not None, "the store has no SSD tier"
         buf = self._arena.buf
-        ok = [self._ssd.read_into(e.key, buf[e.offset : e.offset + e.size]) for e, _ in slots]
+        ok = [ssd.read_into(e.key, buf[e.offset : e.offset + e.size]) for e, _ in slots]
         with self._lock:
             for (e, c), good in zip(slots, ok):
                 if not good:
                     self._host.abort(e)
-                    self._s_ssd.misses += 1
+                    stats.misses += 1
                     continue
                 e.on_ssd = True
                 self._host.commit(e, c, pin_owner=owner, pinned=True)
-                self._s_ssd.hits += 1
-                self._s_ssd.bytes_out += e.size
+                stats.hits += 1
+                stats.bytes_out += e.size
                 self._count_promotion(e.size)
             pressure = self.over_high_locked()
         if pressure:
