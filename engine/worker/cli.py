@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = WorkerConfig()
     from kvstore.version import installed_version
 
-    p = argparse.ArgumentParser(prog="kvengine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvengine", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run one engine worker")
