@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from kvstore.errors import KVStoreError
+from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
@@ -385,11 +386,11 @@ class LocalCluster:
         assert self.etcd_url is not None
         return self.etcd_url
 
-    def _registered(self, kind: str) -> int:
+    def _registered(self, kind: layout.Kind) -> int:
         """How many ``kind`` (``stores``, ``workers``) are registered in the cluster now."""
         if self._etcd_client is None:
             self._etcd_client = EtcdClient(self._etcd())
-        members, _revision = self._etcd_client.get_prefix(f"/{self.spec.cluster}/{kind}/")
+        members, _revision = self._etcd_client.get_prefix(layout.prefix(self.spec.cluster, kind))
         return len(members)
 
     def _wait(self, child: ChildProcess, ready: Callable[[], bool]) -> None:
