@@ -206,7 +206,7 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info
         await asyncio.sleep(0.01)
     registration = None
     if cfg.etcd is not None:
-        value = {k: v for k, v in info.to_json().items() if k != "worker_id"}
+        value = info.to_etcd_value()
         try:
             registration = await asyncio.to_thread(
                 register, cfg.etcd, cfg.cluster, "workers", info.worker_id, value,
