@@ -34,7 +34,7 @@ __all__ = ["RouterConfig", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `router.placement.kv_index` (benchmarks, tools) does not pull in FastAPI,
+    # Lazy, so that `router.workers.kv_index` (benchmarks, tools) does not pull in FastAPI,
     # and the version lookup (kvstore/version.py) only when `__version__` is asked for.
     if name == "__version__":
         from kvstore.version import installed_version

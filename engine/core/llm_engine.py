@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from engine.api.blocks import blocks_needed
 from engine.core.block_manager import BlockManager, KVEvent
 from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
@@ -311,7 +312,7 @@ class LLMEngine:
                 f"({params.max_tokens}) = {total} exceeds the context window of "
                 f"{self.max_model_len} tokens"
             )
-        blocks = -(-(total - 1) // self.config.block_size)
+        blocks = blocks_needed(len(prompt), params.max_tokens, self.config.block_size)
         if blocks > self.config.num_blocks:
             raise ValueError(
                 f"request {request_id!r}: {total} tokens need {blocks} KV blocks; the cache has "

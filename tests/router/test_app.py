@@ -220,3 +220,42 @@ def test_error_statuses(tokenizer_dir: Path, tokenizer) -> None:
         await fake.stop()
 
     _run(body)
+
+
+def test_a_streamed_token_passes_through_four_generator_frames(tokenizer_dir: Path, tokenizer,
+                                                               monkeypatch) -> None:
+    """From the worker client's ``generate`` (where a token line is parsed) to the SSE body's
+    ``pump``: the worker stream, placement's ``serve`` loop, the choice's text, the pump. The
+    frames are read off the live stack while a token line is being parsed."""
+    import inspect
+
+    import router.workers.client as worker_client
+
+    stacks: list[list[str]] = []
+    parse = worker_client.parse_generate_line
+
+    def parse_and_look(obj):
+        names, frame = [], inspect.currentframe()
+        frame = frame.f_back if frame is not None else None      # generate's frame
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            if frame.f_code.co_name == "pump":
+                break
+            frame = frame.f_back
+        stacks.append(names)
+        return parse(obj)
+
+    monkeypatch.setattr(worker_client, "parse_generate_line", parse_and_look)
+
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        async with _router(tokenizer_dir, [fake]) as url:
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "Q", "max_tokens": 3, "stream": True})
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        await fake.stop()
+
+    _run(body)
+    assert len(stacks) == 4                         # three token lines and the final line
+    assert stacks[0] == ["generate", "serve", "run_choice", "pump"]

@@ -34,6 +34,7 @@ from engine.api.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.cluster.launcher import ChildProcess, LocalCluster
 from router.metrics import RouterMetrics
+from engine.api.blocks import blocks_needed
 from router.placement.decode import choose_decode, with_room
 from router.placement.errors import NoCapacity
 from router.placement.orchestrator import Orchestrator
@@ -218,6 +219,15 @@ def test_decode_choice_waits_on_a_busy_worker_rather_than_failing() -> None:
     assert choose_decode([a, b], 1000, 1000) is None and with_room([a, b], 1000, 1000) == []
 
 
+def test_decode_choice_books_what_the_engine_admits() -> None:
+    # 17 + 16 tokens hold KV for 32 (the last sampled token is never fed back): 2 blocks of
+    # 16, as engine.core.llm_engine counts them (engine.api.blocks), not 3.
+    assert blocks_needed(17, 16, 16) == 2
+    tight = _handle("a", 2, 2)
+    assert with_room([tight], 17, 16) == [tight] and choose_decode([tight], 17, 16) is tight
+    assert choose_decode([tight], 17, 17) is None
+
+
 # --- the orchestrator's failover logic against fake workers (in-process, fast) -----------
 
 
@@ -358,3 +368,34 @@ async def _until(cond, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def test_a_request_no_worker_can_take_is_logged_unplaced(tmp_path: Path) -> None:
+    async def body() -> None:
+        orch, pool, log_path = await _fake_router(tmp_path)
+        try:
+            with pytest.raises(NoCapacity, match="no decode-capable worker"):
+                _ = [x async for x in orch.serve(ServeRequest("r7", "tiny", [1, 2],
+                                                              SamplingParams(max_tokens=3)))]
+            rec = records(log_path)[0]
+            assert rec["status"] == "error" and rec["mode"] is None and rec["phases"] == []
+        finally:
+            await pool.close()
+    _run(body())
+
+
+def test_route_is_the_log_mode_and_the_metric_kind(tmp_path: Path) -> None:
+    async def body() -> None:
+        p, d = await FakeWorker("p", "prefill").start(), await FakeWorker("d", "decode").start()
+        orch, pool, log_path = await _fake_router(tmp_path, p, d, mode="disaggregated")
+        try:
+            _ = [x async for x in orch.serve(ServeRequest("r8", "tiny", [1, 2],
+                                                          SamplingParams(max_tokens=2)))]
+            assert records(log_path)[0]["mode"] == "disaggregated"
+            text = orch.metrics.render().decode()
+            assert 'kvrouter_route_kind_total{kind="disaggregated"} 1.0' in text
+        finally:
+            await pool.close()
+            await p.stop()
+            await d.stop()
+    _run(body())

@@ -154,3 +154,26 @@ def test_chat_shapes_parse_with_the_openai_client(tokenizer) -> None:
         assert chunk.id == fmt.id
     assert fmt.role_chunk(0)["choices"][0]["delta"]["role"] == "assistant"
     assert fmt.chunk(0, "", "stop")["choices"][0]["delta"] == {}
+
+
+def test_null_fields_are_absent_ones() -> None:
+    o = CompletionRequest.parse({"model": "m", "prompt": "x", "temperature": None, "n": None,
+                                 "stop": None, "seed": None, "max_tokens": None}).options
+    assert (o.temperature, o.n, o.stop, o.seed) == (1.0, 1, (), None)
+    assert o.max_tokens is None           # an explicit null: up to the context, as before
+    assert CompletionRequest.parse({"model": "m", "prompt": "x"}).options.max_tokens == 16
+
+
+def test_placement_and_worker_errors_map_to_statuses_in_one_place() -> None:
+    from router.http.errors import OpenAIError, openai_error
+    from router.placement.errors import NoCapacity
+    from router.workers.client import KeyMismatch, WorkerRejected, WorkerUnavailable
+
+    cases = [(NoCapacity("none"), 503), (KeyMismatch("w", 409, "keys"), 500),
+             (WorkerRejected("w", 400, "bad"), 400), (WorkerUnavailable("w", "gone"), 503),
+             (BadRequest("x"), 400)]
+    for exc, status in cases:
+        err = openai_error(exc)
+        assert isinstance(err, OpenAIError) and err.status == status, exc
+    assert "disagree on the prompt's block keys" in openai_error(KeyMismatch("w", 409, "k")).message
+    assert openai_error(ValueError("a bug")) is None

@@ -105,7 +105,7 @@ def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) ->
         pool = await WorkerPool.from_etcd(server.url, cluster).start()
         try:
             assert pool.workers() == [] and pool.etcd_healthy
-            value = {k: v for k, v in fake.info.to_json().items() if k != "worker_id"}
+            value = fake.info.to_etcd_value()
             reg = await asyncio.to_thread(
                 lambda: register(server.url, cluster, "workers", "wa", value, ttl=2.0))
             t0 = time.monotonic()
@@ -128,3 +128,12 @@ def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) ->
             await fake.stop()
 
     _run(body)
+
+
+def test_worker_info_etcd_value_round_trips() -> None:
+    from engine.api.generate import WorkerInfo
+
+    info = FakeWorker("wz", "decode").info
+    value = info.to_etcd_value()
+    assert "worker_id" not in value and value["namespace"] == NS.hex()
+    assert WorkerInfo.from_etcd_value("wz", value) == info
