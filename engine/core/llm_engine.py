@@ -37,19 +37,24 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from engine.api.blocks import blocks_needed
+from engine.api.generate import FinishReason, TokenLogprob
 from engine.core.block_manager import BlockManager, KVEvent
-from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
+from engine.core.connector_api import EngineConnector
+from engine.core.request import Request, RequestProgress
 from engine.core.sampling import SamplerOutput, SamplingParams, sample, with_seed
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.request import Request, RequestProgress
 from kvstore.keys import BlockKey, namespace_id, salted
+
+if TYPE_CHECKING:  # the model stack is imported when a runner is built from a directory
+    from engine.model.config import ModelConfig
+    from engine.model.runner import StepItem
 
 __all__ = ["BlockKeyMismatch", "RequestOutput", "Completion", "Runner", "LLMEngine"]
 
@@ -61,12 +66,12 @@ class BlockKeyMismatch(ValueError):
 class Runner(Protocol):
     """What the engine needs of a model runner (``engine.model.runner.ModelRunner``)."""
 
-    config: Any  # ModelConfig: vocab_size, max_position_embeddings, eos_token_ids
+    config: ModelConfig  # vocab_size, max_position_embeddings, eos_token_ids
     block_size: int
     num_blocks: int
 
-    def facts(self) -> dict: ...
-    def execute(self, items: list) -> torch.Tensor: ...
+    def facts(self) -> dict[str, Any]: ...
+    def execute(self, items: list[StepItem]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -75,9 +80,9 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list | None  # list[TokenLogprob] when the request asked for logprobs
+    new_logprobs: list[TokenLogprob] | None  # when the request asked for logprobs
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: FinishReason | None  # once finished
     seed: int | None
     stats: RequestProgress
 
@@ -88,8 +93,8 @@ class Completion:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
     stats: RequestProgress | None = None
 
 
@@ -248,7 +253,7 @@ class LLMEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _step_items(self, plan: SchedulerOutput) -> list:
+    def _step_items(self, plan: SchedulerOutput) -> list[StepItem]:
         from engine.model.runner import StepItem
 
         return [StepItem(c.token_ids, c.start_pos, c.request.block_table) for c in plan.chunks]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.api.generate import SamplingParams, TokenLogprob
+from engine.api.generate import FinishReason, SamplingParams, TokenLogprob
 from kvstore.keys import BlockKey, block_keys, extend_block_keys
 
 __all__ = ["RequestStatus", "RequestProgress", "Request"]
@@ -91,7 +91,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_initial_tokens = len(self.token_ids)
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         # Blocks with index < this were offered to the connector for saving or came from it.

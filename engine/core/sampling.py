@@ -97,24 +97,25 @@ def sample(
     processed = logits
     if random_rows:
         chosen = [params[i] for i in random_rows]
-        if any(p.seed is None for p in chosen):
+        seeds = [p.seed for p in chosen]
+        if None in seeds:
             raise ValueError("a sampled row needs a seed; admit requests through with_seed()")
-        every = len(random_rows) == rows
-        idx = None if every else torch.tensor(random_rows, device=dev)
+        idx = None if len(random_rows) == rows else torch.tensor(random_rows, device=dev)
         x = logits if idx is None else logits.index_select(0, idx)
         inv_t = torch.tensor([1.0 / p.temperature for p in chosen], device=dev)[:, None]
         # Unnormalized probabilities: exp((x - max) / T), in place on one new tensor.
         weights = (x - x.amax(dim=-1, keepdim=True)).mul_(inv_t).exp_()
         out = _filter(x, weights, inv_t, [p.top_k for p in chosen], [p.top_p for p in chosen])
-        u = torch.tensor([row_uniform(p.seed, positions[i]) for p, i in zip(chosen, random_rows)],
+        u = torch.tensor([row_uniform(seed, positions[i])
+                          for seed, i in zip(seeds, random_rows) if seed is not None],
                          dtype=torch.float64, device=dev)
         drawn = _inverse_cdf(weights, u)
-        tokens = drawn if every else tokens.index_copy_(0, idx, drawn)
+        tokens = drawn if idx is None else tokens.index_copy_(0, idx, drawn)
         if any(p.logprobs is not None for p in chosen):
             scaled = x * inv_t
             if out is not None:
                 scaled.masked_fill_(out, float("-inf"))
-            processed = scaled if every else logits.index_copy(0, idx, scaled)
+            processed = scaled if idx is None else logits.index_copy(0, idx, scaled)
     token_list = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(processed, token_list, params))
 
@@ -206,11 +207,13 @@ def _logprobs(
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in want], device=logp.device))
     chosen_list = chosen.squeeze(1).tolist()
     max_top = max(params[i].logprobs or 0 for i in want)
-    top_vals, top_ids = (logp.topk(max_top, dim=-1) if max_top else (None, None))
+    top_vals: list[list[float]] = [[] for _ in want]
+    top_ids: list[list[int]] = [[] for _ in want]
+    if max_top:
+        vals, ids = logp.topk(max_top, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
     for j, i in enumerate(want):
         n = params[i].logprobs or 0
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            top = tuple(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=False))
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
         out[i] = TokenLogprob(chosen_list[j], top)
     return out

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.api.generate import FinishReason
 from engine.core.block_manager import BlockManager
 from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
@@ -298,7 +299,7 @@ class Scheduler:
             )
             req.num_offered_blocks = num_full_blocks
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
@@ -308,7 +309,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark ``req`` finished and free its blocks; the caller took it off its queue."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -110,11 +110,28 @@ class SaveResult:
 
 @dataclass(slots=True)
 class _SaveJob:
+    """Blocks to put under ``keys``: ``staged`` is their ``[n, *block_shape]`` host copy, a
+    view of the pooled staging ``buffer`` (given back once the put is done)."""
+
     request_id: str | None
     keys: list[BlockKey]
-    staged: torch.Tensor | None         # [n, *block_shape] CPU copy; None for a flush marker
-    done: Future | None = None          # set on flush markers
-    buffer: torch.Tensor | None = None  # the pooled staging buffer ``staged`` is a view of
+    staged: torch.Tensor
+    buffer: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Flush:
+    """Resolve ``done`` with the request's tally once every save queued before it is done."""
+
+    request_id: str | None
+    done: Future[SaveResult]
+
+
+class _Idle:
+    """Nothing queued (ends a batch inside the saver loop)."""
+
+
+_IDLE = _Idle()
 
 
 class _StagingPool:
@@ -166,7 +183,6 @@ class _StagingPool:
             return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
 
 
-_NOTHING = _SaveJob(None, [], None, done=Future())  # "no job pending" inside the saver loop
 
 
 class KVStoreConnector:
@@ -209,7 +225,7 @@ class KVStoreConnector:
         self._loads: dict[str, LoadResult] = {}
         self._stats_lock = threading.Lock()
         self._per_request: dict[str | None, SaveResult] = {}
-        self._queue: queue.SimpleQueue[_SaveJob | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_SaveJob | _Flush | None] = queue.SimpleQueue()  # None: stop
         self._pool = _StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
         # Loads run one at a time on the engine thread: one buffer per size is enough.
         self._load_pool = _StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
@@ -369,18 +385,18 @@ class KVStoreConnector:
                 staged[i].copy_(self.kv_cache[:, :, b])
         self._queue.put(_SaveJob(request_id, list(keys), staged, buffer=buf))
 
-    def flush(self, request_id: str | None = None) -> Future:
+    def flush(self, request_id: str | None = None) -> Future[SaveResult]:
         """A future resolving to ``request_id``'s ``SaveResult`` once its queued saves are done.
 
         The saver is FIFO, so the marker resolves after every save queued before it. The
         request's tally is handed over and forgotten.
         """
-        fut: Future = Future()
+        fut: Future[SaveResult] = Future()
         if self._saver is None:
             with self._stats_lock:
                 fut.set_result(self._per_request.pop(request_id, SaveResult()))
             return fut
-        self._queue.put(_SaveJob(request_id, [], None, done=fut))
+        self._queue.put(_Flush(request_id, fut))
         return fut
 
     def forget(self, request_id: str | None) -> None:
@@ -407,36 +423,32 @@ class KVStoreConnector:
 
     def _save_loop(self) -> None:
         out = np.empty((self.max_batch_blocks, self.encoded_bytes), dtype=np.uint8)
-        stop = False
-        while not stop:
-            job = self._queue.get()
+        while True:
+            item: _SaveJob | _Flush | _Idle | None = self._queue.get()
             batch: list[_SaveJob] = []
             n = 0
             # Coalesce queued saves into one put, up to the batch limit; a flush marker or
             # the stop sentinel ends the batch (and is handled after it).
-            while job is not None and job.done is None:
-                batch.append(job)
-                n += len(job.keys)
+            while isinstance(item, _SaveJob):
+                batch.append(item)
+                n += len(item.keys)
                 if n >= self.max_batch_blocks:
-                    job = _NOTHING
+                    item = _IDLE
                     break
                 try:
-                    job = self._queue.get_nowait()
+                    item = self._queue.get_nowait()
                 except queue.Empty:
-                    job = _NOTHING
-                    break
+                    item = _IDLE
             if batch:
                 self._put_batch(batch, out)
-                for done in batch:
-                    if done.buffer is not None:
-                        self._pool.give(done.buffer)
-                    done.staged = done.buffer = None
-            if job is None:
-                stop = True
-            elif job is not _NOTHING:
+                for job in batch:
+                    self._pool.give(job.buffer)
+            if item is None:
+                return
+            if isinstance(item, _Flush):
                 with self._stats_lock:
-                    result = self._per_request.pop(job.request_id, SaveResult())
-                job.done.set_result(result)
+                    result = self._per_request.pop(item.request_id, SaveResult())
+                item.done.set_result(result)
 
     def _put_batch(self, batch: list[_SaveJob], out: np.ndarray) -> None:
         # A single job may exceed the batch limit: split it into chunks.

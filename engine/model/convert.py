@@ -85,7 +85,8 @@ def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
         steps.set_postfix_str("copying into a plain model")
         config = src.config
         config.architectures = [type(src).__name__]
-        plain = type(src)(config).to(torch.float32)
+        plain = type(src)(config)
+        plain.float()  # the weights below are float32 whatever the default dtype
         missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
             raise ConvertError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
@@ -142,7 +143,7 @@ def ensure_default_model(*, progress: bool = True) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.model.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.model.convert", description=(__doc__ or "").split("\n")[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--default", action="store_true", help="convert the default model into the cache")
     group.add_argument("--gguf", type=Path, help="a GGUF file to convert (with --out)")

@@ -69,6 +69,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table over every position."""
 
+    cos: torch.Tensor  # buffers (nn.Module types registered ones as Tensor | Module)
+    sin: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
     ) -> None:

@@ -162,7 +162,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.model.tiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.model.tiny", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="llama", choices=sorted(TINY_ARCHS))
     parser.add_argument("--seed", type=int, default=0)

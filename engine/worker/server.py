@@ -24,7 +24,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.api.generate import ApiValidationError, GenerateFinal, GenerateRequest, WorkerInfo
+from engine.api.generate import (
+    ApiValidationError,
+    GenerateChunk,
+    GenerateFinal,
+    GenerateRequest,
+    WorkerInfo,
+)
 from engine.worker.events import EventStream
 from engine.core.llm_engine import BlockKeyMismatch
 from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
@@ -40,8 +46,8 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
-def _error(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, **extra}, status_code=status)
+def _error(status_code: int, message: str, /, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status_code)
 
 
 def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
@@ -65,9 +71,9 @@ def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
             metrics.rejected.labels("bad_request").inc()
             return _error(400, str(exc), field=exc.field)
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue[GenerateChunk | GenerateFinal] = asyncio.Queue()
 
-        def sink(item: Any) -> None:  # engine or saver thread
+        def sink(item: GenerateChunk | GenerateFinal) -> None:  # engine or saver thread
             loop.call_soon_threadsafe(out.put_nowait, item)
 
         try:

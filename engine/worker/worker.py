@@ -34,14 +34,21 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.api.generate import GenerateChunk, GenerateFinal, GenerateRequest, RequestStats
+import torch
+
 from engine.api.events import LoadFigures
+from engine.api.generate import GenerateChunk, GenerateFinal, GenerateRequest, RequestStats
+from engine.core.llm_engine import BlockKeyMismatch, LLMEngine, RequestOutput
 from engine.kv.connector import KVStoreConnector, LoadResult, SaveResult
 from engine.worker.events import EventStream, RateMeter
-from engine.core.llm_engine import BlockKeyMismatch
 from engine.worker.metrics import WorkerMetrics
+from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from engine.model.config import ModelConfig
+    from engine.model.runner import ModelRunner, StepItem
 
 __all__ = ["Draining", "EngineWorker", "MeasuredRunner", "Sink"]
 
@@ -57,19 +64,19 @@ class Draining(RuntimeError):
 class MeasuredRunner:
     """Wraps a model runner and records what each ``execute`` computed (prefill vs decode)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.inner = runner
-        self.config = runner.config
+        self.config: ModelConfig = runner.config
         self.block_size = runner.block_size
         self.num_blocks = runner.num_blocks
         self.kv_cache = runner.kv_cache
         self.prefill_tokens = 0
         self.decode_tokens = 0
 
-    def facts(self) -> dict:
+    def facts(self) -> dict[str, Any]:
         return self.inner.facts()
 
-    def execute(self, items: list) -> Any:
+    def execute(self, items: list[StepItem]) -> torch.Tensor:
         for item in items:
             n = len(item.token_ids)
             if n == 1 and item.start_pos > 0:
@@ -91,7 +98,22 @@ class _Stream:
     sink: Sink
     held: list[GenerateChunk] = field(default_factory=list)  # a prefill's token, until acked
     got_first_token: bool = False
-    prompt_keys: list | None = None  # a prefill's full prompt block keys, for its final line
+    prompt_keys: list[BlockKey] | None = None  # a prefill's full prompt block keys, for its final line
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: GenerateRequest
+    sink: Sink
+    accepted: Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+_Message = _Add | _Abort | None  # None only wakes the engine thread (to stop)
 
 
 class EngineWorker:
@@ -99,7 +121,7 @@ class EngineWorker:
 
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         runner: MeasuredRunner,
         events: EventStream,
         metrics: WorkerMetrics,
@@ -116,7 +138,7 @@ class EngineWorker:
         self.prefill_rate = RateMeter()
         self.decode_rate = RateMeter()
         self.load_rate = RateMeter()
-        self._inbox: queue.SimpleQueue[tuple[str, Any, Future | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only
         self._open = 0                                   # accepted, final line not delivered
         self._open_lock = threading.Lock()
@@ -141,12 +163,12 @@ class EngineWorker:
             raise Draining("this worker is draining before exit; retry on another worker")
         if not self.alive:
             raise RuntimeError(f"the engine thread has stopped: {self.error!r}")
-        fut: Future = Future()
-        self._inbox.put(("add", (request, sink), fut))
+        fut: Future[None] = Future()
+        self._inbox.put(_Add(request, sink, fut))
         return fut
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(_Abort(request_id))
 
     def drain(self) -> None:
         self._draining.set()
@@ -167,7 +189,7 @@ class EngineWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None, None))
+        self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self.connector is not None:
@@ -192,27 +214,28 @@ class EngineWorker:
             self._streams.clear()
             while True:  # requests queued behind the failure: refuse them, never leave them hanging
                 try:
-                    kind, _, fut = self._inbox.get_nowait()
+                    message = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "add" and fut is not None:
-                    fut.set_exception(RuntimeError(f"the engine thread has stopped: {exc!r}"))
+                if isinstance(message, _Add):
+                    message.accepted.set_exception(
+                        RuntimeError(f"the engine thread has stopped: {exc!r}"))
 
     def _handle_inbox(self, block: bool) -> None:
         timeout = self.load_interval_s if block else None
         while True:
             try:
-                kind, arg, fut = (self._inbox.get(timeout=timeout) if timeout is not None
-                                  else self._inbox.get_nowait())
+                message = (self._inbox.get(timeout=timeout) if timeout is not None
+                           else self._inbox.get_nowait())
             except queue.Empty:
                 return
             timeout = None  # only the first wait blocks
-            if kind == "add":
-                self._add(*arg, fut)
-            elif kind == "abort":
-                self.engine.abort(arg)
+            if isinstance(message, _Add):
+                self._add(message.request, message.sink, message.accepted)
+            elif isinstance(message, _Abort):
+                self.engine.abort(message.request_id)
 
-    def _add(self, request: GenerateRequest, sink: Sink, fut: Future) -> None:
+    def _add(self, request: GenerateRequest, sink: Sink, fut: Future[None]) -> None:
         params = request.sampling
         if request.phase == "prefill":
             params = dataclasses.replace(params, max_tokens=len(request.output_token_ids) + 1)
@@ -275,10 +298,12 @@ class EngineWorker:
                 self._finish(out, stream)
         self._update_connector_metrics()
 
-    def _finish(self, out: Any, stream: _Stream) -> None:
+    def _finish(self, out: RequestOutput, stream: _Stream) -> None:
         rid = out.request_id
+        reason = out.finish_reason
+        assert reason is not None, "a finished output names its reason"
         s = out.stats
-        self.metrics.requests.labels(out.finish_reason).inc()
+        self.metrics.requests.labels(reason).inc()
         self.metrics.prefix_hit_tokens.labels("device").inc(s.device_hit_tokens)
         self.metrics.prefix_hit_tokens.labels("store").inc(s.external_hit_tokens)
         self.metrics.computed_prompt_tokens.inc(s.computed_prompt_tokens)
@@ -294,11 +319,11 @@ class EngineWorker:
         )
         del self._streams[rid]
         if self.connector is None:
-            self._close(rid, stream, GenerateFinal(out.finish_reason, stats, stream.prompt_keys))
+            self._close(rid, stream, GenerateFinal(reason, stats, stream.prompt_keys))
             return
         acked_from = time.perf_counter()
 
-        def saved(fut: Future) -> None:  # runs on the saver thread (or here, if already done)
+        def saved(fut: Future[SaveResult]) -> None:  # on the saver thread (or here, if done)
             result: SaveResult = fut.result()
             stats.kv_bytes_saved, stats.store_save_s = result.bytes, result.seconds
             if stream.request.phase == "prefill":
@@ -306,7 +331,7 @@ class EngineWorker:
                 if result.failed_blocks:
                     log.warning("request %s: %d blocks could not be saved; the decode worker "
                                 "will recompute them", rid, result.failed_blocks)
-            self._close(rid, stream, GenerateFinal(out.finish_reason, stats, stream.prompt_keys))
+            self._close(rid, stream, GenerateFinal(reason, stats, stream.prompt_keys))
 
         self.connector.flush(rid).add_done_callback(saved)
 
@@ -319,10 +344,10 @@ class EngineWorker:
             self._open -= 1
 
     def _update_connector_metrics(self) -> None:
-        if self.connector is None:
+        last = self._last_conn
+        if self.connector is None or last is None:
             return
-        now, last = self.connector.stats_snapshot(), self._last_conn
-        self._last_conn = now
+        now = self._last_conn = self.connector.stats_snapshot()
         self.metrics.store_bytes.labels("load").inc(now.loaded_bytes - last.loaded_bytes)
         self.metrics.store_bytes.labels("save").inc(now.saved_bytes - last.saved_bytes)
         self.metrics.store_blocks_bad.labels("missing").inc(now.missing_blocks - last.missing_blocks)
