@@ -60,7 +60,7 @@ def test_gpu_tier_alone_evicts_its_lru(device):
 
 def test_a_closed_gpu_tier_frees_its_memory_and_stores_nothing():
     tier = kvstore.node.gpu_tier.GpuTier(4 * B, device="cpu")
-    assert tier.put(K(1), 7, V(1)) == [] and tier.size_of(K(1)) == B
+    assert tier.put(K(1), 7, bytearray(V(1))) == [] and tier.size_of(K(1)) == B
     tier.close()
     assert len(tier) == 0 and tier.value_bytes == 0
-    assert tier.put(K(2), 7, V(2)) == [] and tier.size_of(K(2)) is None  # was a TypeError
+    assert tier.put(K(2), 7, bytearray(V(2))) == [] and tier.size_of(K(2)) is None  # was a TypeError
