@@ -70,7 +70,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, positions, x, kv_layer, meta):  # noqa: ANN001 - hot path, typed above
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class ModelRunner:
             self.config, num_blocks, block_size, dtype=self.dtype, device=self.device
         )
 
-    def facts(self, tp_rank: int = 0) -> dict:
+    def facts(self, tp_rank: int = 0) -> dict[str, Any]:
         """The namespace facts of this runner's KV (see ``engine.model.loader.model_facts``)."""
         return model_facts(
             self.model_dir, self.config, dtype=self.dtype, block_size=self.block_size, tp_rank=tp_rank

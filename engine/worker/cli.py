@@ -21,8 +21,17 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from engine.worker.config import WorkerConfig, resolve_model_dir
+
+if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
+    import torch
+    from fastapi import FastAPI
+
+    from engine.api.generate import WorkerInfo
+    from engine.worker.worker import EngineWorker
+    from kvstore.client.api import StoreClient
 
 __all__ = ["main", "build_parser", "config_from_args", "serve"]
 
@@ -97,7 +106,7 @@ class _StartupError(Exception):
     """A start-up problem the user can fix; its message says what."""
 
 
-def _connect_store(cfg: WorkerConfig):
+def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient]:
     import kvstore
     from kvstore.errors import KVStoreError
 
@@ -113,7 +122,8 @@ def _connect_store(cfg: WorkerConfig):
 
 
 @contextlib.contextmanager
-def _worker_parts(cfg: WorkerConfig, sock: socket.socket) -> Iterator[tuple]:
+def _worker_parts(cfg: WorkerConfig, sock: socket.socket
+                  ) -> Iterator[tuple[EngineWorker, FastAPI, WorkerInfo]]:
     """Model, connector, engine, worker thread and app; everything torn down on exit."""
     import torch
 
@@ -165,7 +175,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket) -> Iterator[tuple]:
 class _Server:
     """uvicorn without its own signal handling (the worker drains first, then stops it)."""
 
-    def __init__(self, app, log_level: str) -> None:
+    def __init__(self, app: FastAPI, log_level: str) -> None:
         import uvicorn
 
         class Quiet(uvicorn.Server):
@@ -177,7 +187,7 @@ class _Server:
                                            timeout_graceful_shutdown=5, access_log=False))
 
 
-def _attention_path(kv_cache) -> str:  # noqa: ANN001 - a torch.Tensor; torch imported lazily
+def _attention_path(kv_cache: torch.Tensor) -> str:
     """Which decode attention this worker runs: the native CPU kernel or the torch ops."""
     import torch
 
@@ -188,8 +198,8 @@ def _attention_path(kv_cache) -> str:  # noqa: ANN001 - a torch.Tensor; torch im
     return "torch"
 
 
-async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker, app, info,
-                       log_level: str) -> int:
+async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWorker,
+                       app: FastAPI, info: WorkerInfo, log_level: str) -> int:
     from kvstore.coord.registration import register
 
     loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from engine.api.events import BlockEvent, LoadEvent, LoadFigures, Snapshot, WorkerEvent
+from engine.core.block_manager import KVEvent
 from kvstore.keys import BlockKey
 
 __all__ = ["EventStream", "RateMeter"]
@@ -101,7 +102,7 @@ class EventStream:
         self._wake()
         return seq
 
-    def on_kv_event(self, event) -> None:
+    def on_kv_event(self, event: KVEvent) -> None:
         """The block manager's callback: ``event.type`` and ``event.keys``."""
         self.publish_blocks(event.type, event.keys)
 

@@ -157,7 +157,7 @@ class EngineWorker:
         self._thread.start()
         return self
 
-    def submit(self, request: GenerateRequest, sink: Sink) -> Future:
+    def submit(self, request: GenerateRequest, sink: Sink) -> Future[None]:
         """Queue ``request``; the future resolves to None once accepted, or to the error."""
         if self._draining.is_set():
             raise Draining("this worker is draining before exit; retry on another worker")
