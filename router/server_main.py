@@ -73,12 +73,15 @@ def build_app(config: RouterConfig) -> RouterParts:
 
     request_log = RequestLog(config.request_log)
     store = _store_client(config)
-    parts = RouterParts(app=None, request_log=request_log, store=store)  # type: ignore[arg-type]
-    if store is not None:
-        parts.closers.append(store.close)
-    parts.app = create_app(config, store_prefix=store.prefix_len if store is not None else None,
-                           request_log=request_log)
-    return parts
+    try:
+        app = create_app(config, store_prefix=store.prefix_len if store is not None else None,
+                         request_log=request_log)
+    except BaseException:   # the store client is not handed on: close it here
+        if store is not None:
+            store.close()
+        request_log.close()
+        raise
+    return RouterParts(app, request_log, store, [store.close] if store is not None else [])
 
 
 def _uvicorn_server(config: Any) -> Any:

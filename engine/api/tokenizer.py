@@ -179,8 +179,9 @@ class Tokenizer:
         config = _read_json(root / "tokenizer_config.json")
         special = {a: t for a in _SPECIAL_ATTRS if (t := _token_text(config.get(a))) is not None}
         for name, value in _read_json(root / "special_tokens_map.json").items():
-            if name in _SPECIAL_ATTRS and name not in special and _token_text(value) is not None:
-                special[name] = _token_text(value)  # type: ignore[assignment]
+            text = _token_text(value) if name in _SPECIAL_ATTRS and name not in special else None
+            if text is not None:
+                special[name] = text
         template = _pick_template(config.get("chat_template"))
         jinja_file = root / "chat_template.jinja"
         if jinja_file.is_file():

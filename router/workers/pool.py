@@ -180,11 +180,12 @@ class WorkerPool:
 
     async def wait_for(self, predicate: Any, timeout: float) -> bool:
         """Wait until ``predicate(pool)`` holds (re-checked on every change); False on timeout."""
-        assert self._changed is not None, "start() first"
+        changed = self._changed
+        assert changed is not None, "start() first"
 
         async def waiter() -> None:
-            async with self._changed:  # type: ignore[union-attr]
-                await self._changed.wait_for(lambda: predicate(self))  # type: ignore[union-attr]
+            async with changed:
+                await changed.wait_for(lambda: predicate(self))
 
         try:
             await asyncio.wait_for(waiter(), timeout)
