@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,8 +41,17 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11"]
 _LDFLAGS = ["-shared", "-fopenmp"]
 
+@dataclass
+class _Kernel:
+    """The process's one attempt to load the kernel: ``fn``, or None and ``why``."""
+
+    tried: bool = False
+    fn: Callable[..., int] | None = None
+    why: str | None = None
+
+
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "fn": the ctypes function or None, "why": reason when None
+_state = _Kernel()
 
 
 def build_dir() -> Path:
@@ -96,20 +106,21 @@ def _load() -> Callable[..., int]:
 
 
 def _kernel() -> Callable[..., int] | None:
-    if "fn" not in _state:
+    if not _state.tried:
         with _lock:
-            if "fn" not in _state:
+            if not _state.tried:
                 try:
-                    _state["fn"] = _load()
+                    _state.fn = _load()
                 except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
-                    _state["fn"], _state["why"] = None, str(e)
+                    _state.why = str(e)
                     log.warning("native paged decode unavailable, using the torch path: %s", e)
-    return _state["fn"]  # type: ignore[return-value]
+                _state.tried = True
+    return _state.fn
 
 
 def native_status() -> str:
     """``"native"`` when the kernel is loaded, else ``"torch (<why>)"``; builds on first call."""
-    return "native" if _kernel() is not None else f"torch ({_state.get('why')})"
+    return "native" if _kernel() is not None else f"torch ({_state.why})"
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -142,7 +153,7 @@ def paged_decode(
     """
     fn = _kernel()
     if fn is None:
-        raise RuntimeError(f"native paged decode unavailable: {_state.get('why')}")
+        raise RuntimeError(f"native paged decode unavailable: {_state.why}")
     n, heads, hd = q.shape
     _, bs, kvh, _ = k_cache.shape
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
