@@ -21,13 +21,13 @@ class Boom(RuntimeError):
     pass
 
 
-def test_a_dead_engine_thread_ends_requests_and_health_says_dead(tiny_llama_dir):
+def test_a_dead_engine_thread_ends_requests_and_health_says_dead(tiny_llama_dir, monkeypatch):
     inner = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=16)
 
     def execute(items: list[StepItem]):
         raise Boom("the model failed")
 
-    inner.execute = execute  # type: ignore[method-assign]
+    monkeypatch.setattr(inner, "execute", execute)
     runner = MeasuredRunner(inner)
     engine = LLMEngine(runner, EngineConfig(num_blocks=16, block_size=16))
     events, metrics = EventStream(64), WorkerMetrics()
