@@ -15,13 +15,23 @@ Usage::
 This package imports neither the engine nor the router.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from kvstore.client.async_client import AsyncClient
-from kvstore.client.api import StoreClient, connect
-from kvstore.client.node import Client
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvstore.errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 from kvstore.keys import BlockKey, block_keys, extend_block_keys, namespace_id, salted
+
+if TYPE_CHECKING:
+    from kvstore.client.api import StoreClient, connect
+    from kvstore.client.async_client import AsyncClient
+    from kvstore.client.node import Client
+
+# The client side is imported when first named, so that ``import kvstore.keys`` (the engine
+# core, the router's index) loads the keys and the errors, not sockets and NumPy buffers.
+_LAZY = {"AsyncClient": "kvstore.client.async_client", "StoreClient": "kvstore.client.api",
+         "connect": "kvstore.client.api", "Client": "kvstore.client.node"}
 
 __all__ = [
     "AsyncClient",
@@ -43,6 +53,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name == "__version__":  # lazily: most imports never ask (kvstore/version.py)
         from kvstore.version import installed_version
 

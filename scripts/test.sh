@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set everything up (idempotent) and run the whole test suite, slow tests included.
+# Set everything up (idempotent), type-check the three packages, and run the whole test suite,
+# slow tests included (the import contracts run inside it: tests/test_architecture.py).
 # A fast subset for development: .venv/bin/pytest -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "[test] pyright (basic) over kvstore, engine, router"
+.venv/bin/pyright kvstore engine router
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,2 +1,3 @@
-"""Where a request runs: the Orchestrator contract, the TTFT cost model, worker load, prefill
-and decode choice, the KV index, retries and resumes."""
+"""Where a request runs: the Serving contract, the orchestrator's loop over a choice's phases,
+the prefill and decode choices, the TTFT estimate, routes, retries and resumes. It reads the
+fleet's state from ``router.workers`` and raises domain errors that ``router.http`` maps."""

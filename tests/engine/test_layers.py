@@ -8,7 +8,8 @@ import sys
 
 # engine.model and engine.core know nothing of HTTP or etcd (pyproject.toml's contract).
 _HTTP_OR_ETCD = ("httpx", "aiohttp", "fastapi", "starlette", "uvicorn", "router",
-                 "kvstore.coord", "kvstore.daemon", "engine.kv", "engine.worker")
+                 "kvstore.coord", "kvstore.daemon", "kvstore.client", "kvstore.net", "engine.kv",
+                 "engine.worker")
 
 
 def test_model_and_core_load_nothing_of_http_or_etcd() -> None:
