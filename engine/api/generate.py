@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from engine.api.fields import (ApiValidationError, json_object, read_bool, read_figures, read_float,
-                               read_int, read_keys, read_str, read_token_ids)
+                               read_int, read_keys, read_object, read_str, read_token_ids)
 from kvstore.keys import BlockKey
 
 __all__ = [
@@ -58,6 +58,21 @@ class SamplingParams:
     Randomness is a function of ``(seed, position)``, so a request continued on another worker
     samples the same tokens; ``seed=None`` lets the worker pick one. ``logprobs``: None for no
     logprobs, otherwise the number of top alternatives to report per token (0..20).
+
+    Logits processors (``engine.core.sampling`` has the order and the exact definitions; every
+    default is "off" and costs nothing):
+
+    - ``repetition_penalty`` (> 0, 1 = off): transformers' / vLLM's, over prompt + output.
+    - ``frequency_penalty``, ``presence_penalty`` (each in [-2, 2]): OpenAI's / vLLM's, over
+      output tokens only.
+    - ``min_p`` (in [0, 1]): drop tokens less likely than ``min_p`` times the best one.
+    - ``min_tokens`` (0 .. ``max_tokens``): the stop ids (EOS unless ``ignore_eos``, and
+      ``stop_token_ids``) cannot be sampled before that many output tokens exist.
+    - ``logit_bias``: token id -> bias in [-100, 100] added to its logit (ids are checked
+      against the vocabulary by the worker); on the wire a JSON object with decimal-string keys.
+
+    "Output tokens" include ``GenerateRequest.output_token_ids`` (tokens produced elsewhere),
+    so a request continued on another worker is penalized exactly as if it had not moved.
     """
 
     max_tokens: int = 16
@@ -68,17 +83,38 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        # Validate constructed instances exactly as parsed ones are.
+        # Validate constructed instances exactly as parsed ones are (and keep them alike: the
+        # tuple, a private copy of the bias map, an empty map as None).
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _read_logit_bias(
+            {"logit_bias": _bias_to_json(self.logit_bias)}, "sampling."))
         SamplingParams.from_json(self.to_json())
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether any logits processor that acts before temperature is on (penalties,
+        ``min_tokens``, ``logit_bias``): a row without them skips that work entirely."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0 or self.min_tokens > 0
+                or self.logit_bias is not None)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
+            "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty, "min_p": self.min_p,
+            "min_tokens": self.min_tokens, "logit_bias": _bias_to_json(self.logit_bias),
         }
 
     @classmethod
@@ -98,11 +134,45 @@ class SamplingParams:
             ("stop_token_ids", tuple(read_token_ids(obj, "stop_token_ids", [], where=w))),
             ("ignore_eos", read_bool(obj, "ignore_eos", False, where=w)),
             ("logprobs", logprobs),
+            ("repetition_penalty", read_float(obj, "repetition_penalty", 1.0, lo=0.0, where=w)),
+            ("frequency_penalty", read_float(obj, "frequency_penalty", 0.0, lo=-2.0, hi=2.0, where=w)),
+            ("presence_penalty", read_float(obj, "presence_penalty", 0.0, lo=-2.0, hi=2.0, where=w)),
+            ("min_p", read_float(obj, "min_p", 0.0, lo=0.0, hi=1.0, where=w)),
+            ("min_tokens", read_int(obj, "min_tokens", 0, lo=0, where=w)),
+            ("logit_bias", _read_logit_bias(obj, w)),
         ):
             object.__setattr__(params, name, value)
         if params.top_p == 0.0:
             raise ApiValidationError(w + "top_p", "must be > 0")
+        if params.repetition_penalty == 0.0:
+            raise ApiValidationError(w + "repetition_penalty", "must be > 0")
+        if params.min_tokens > params.max_tokens:
+            raise ApiValidationError(w + "min_tokens", f"must be <= max_tokens "
+                                     f"({params.max_tokens}), got {params.min_tokens}")
         return params
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _bias_to_json(bias: dict[int, float] | None) -> dict[str, float] | None:
+    return None if bias is None else {str(t): b for t, b in bias.items()}
+
+
+def _read_logit_bias(obj: Any, where: str) -> dict[int, float] | None:
+    """``logit_bias``: a JSON object of token id (a decimal string) -> bias in [-100, 100];
+    null, absent or empty is None."""
+    name = where + "logit_bias"
+    raw = read_object(obj, "logit_bias", None, where=where)
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key in raw:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < 2**32):
+            raise ApiValidationError(name, f"keys must be token ids (decimal strings of integers "
+                                     f"in [0, 2**32)), got {key!r}")
+        out[int(key)] = read_float(raw, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, where=name + ".")
+    return out
 
 
 @dataclass(slots=True)
