@@ -6,8 +6,12 @@
   ``KVROUTER_API_KEY`` environment variable instead (keeps it out of ``ps``).
 - ``kvrouter up [--port 8000] [--prefill N] [--decode N] [--mode M] [--model default|DIR]``:
   etcd (a child on free ports, unless ``--etcd``), a store daemon, the workers and the router,
-  each reported as it becomes ready; then a ``curl`` line and an ``openai`` snippet that work
-  as printed. Ctrl-C or SIGTERM stops every child (process groups) and exits 0.
+  each reported as it becomes ready by its own ready line; then a ``curl`` line and an
+  ``openai`` snippet that work as printed. A cluster secret (``--cluster-secret-file``, else
+  generated) goes to ``LOG_DIR/cluster-secret`` (0600) and to every child through
+  ``$KVCACHE_CLUSTER_SECRET_FILE``. A child that exits unexpectedly is restarted with backoff
+  (console line, ``kvrouter_up_child_restarts_total`` on ``--metrics-port``). Only Ctrl-C or
+  SIGTERM stops the cluster: every child (process groups), then exit 0.
 
 Every flag feeds one typed config (``RouterConfig`` / ``ClusterSpec``), validated once.
 """
@@ -22,6 +26,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.cluster.supervisor import Supervisor
 
 __all__ = ["main", "build_parser"]
 
@@ -33,6 +41,7 @@ class _Stop(BaseException):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstore.secret import add_secret_flags
     from router.config import MODES, RouterConfig
     from router.placement.prefill import PREFILL_POLICIES
 
@@ -87,7 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--api-key", default=os.environ.get("KVROUTER_API_KEY"),
                    help="the router requires 'Authorization: Bearer KEY' (default: $KVROUTER_API_KEY, else off)")
     u.add_argument("--request-log", default=None, help="the router appends one JSON line per request here")
-    u.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
+    u.add_argument("--log-dir", default=None,
+                   help="children's logs, the cluster secret file and cluster.json (default: a temp dir)")
+    add_secret_flags(u, server=False)
+    u.add_argument("--no-cluster-secret", action="store_true",
+                   help="start the children without a cluster secret (default: use the one given, "
+                        "else generate one for this cluster)")
+    u.add_argument("--metrics-port", type=int, default=0,
+                   help="port of the launcher's own Prometheus /metrics (restarts of children) on "
+                        "127.0.0.1 (default 0: a free port, printed; -1: none)")
     u.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
     u.add_argument("--ready-timeout", type=float, default=180.0,
@@ -160,19 +177,24 @@ def usage_banner(url: str, model: str, api_key: str | None) -> str:
 def _up(args: argparse.Namespace) -> int:
     import httpx
 
+    from kvstore import secret as cluster_secret
     from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
+    from router.cluster.supervisor import Supervisor, SupervisorMetrics, serve_metrics
 
     try:
+        secret = None if args.no_cluster_secret else cluster_secret.resolve(
+            args.cluster_secret, args.cluster_secret_file)
         spec = ClusterSpec(
             port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
             mode=args.mode, policy=args.policy, auto_threshold=args.auto_threshold,
             model=args.model, etcd=args.etcd, cluster=args.cluster,
             threads_per_worker=args.threads_per_worker, store_memory=args.store_memory,
-            api_key=args.api_key or None, request_log=args.request_log, log_dir=args.log_dir,
+            api_key=args.api_key or None, cluster_secret=secret, insecure=args.no_cluster_secret,
+            request_log=args.request_log, log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg),
             prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
             colocated_cpus=args.colocated_cpus)
-    except ValueError as exc:
+    except ValueError as exc:   # SecretError is one
         print(f"kvrouter up: {exc}", file=sys.stderr)
         return 2
 
@@ -181,18 +203,24 @@ def _up(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(spec, on_status=_say)
+    close_metrics = None
     code = 0
     try:
+        metrics = SupervisorMetrics()
+        if args.metrics_port >= 0:
+            metrics_url, close_metrics = serve_metrics(metrics, args.metrics_port)
+            cluster.state_extra["metrics"] = metrics_url
+            _say(f"launcher metrics at {metrics_url}")
         cluster.start()
         assert cluster.router_url is not None
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         models = httpx.get(f"{cluster.router_url}/v1/models", headers=headers, timeout=5,
                            trust_env=False).json()
         print(usage_banner(cluster.router_url, models["data"][0]["id"], spec.api_key), flush=True)
-        code = _supervise(cluster)
+        _supervise(Supervisor(cluster, _say, metrics=metrics))
     except _Stop as stop:
         _say(f"{signal.Signals(stop.args[0]).name}: stopping")
-    except LaunchError as exc:
+    except (LaunchError, OSError) as exc:   # OSError: the metrics port
         print(f"kvrouter up: {exc}", file=sys.stderr)
         code = 1
     finally:
@@ -200,25 +228,19 @@ def _up(args: argparse.Namespace) -> int:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
         cluster.stop()
+        if close_metrics is not None:
+            close_metrics()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _say("all stopped")
     return code
 
 
-def _supervise(cluster) -> int:
-    """Wait for a signal; report children that exit. The router, etcd or the store exiting
-    ends the cluster (exit 1); a worker exiting is reported and the rest keeps serving."""
-    reported: set[str] = set()
+def _supervise(supervisor: "Supervisor") -> None:
+    """Keep every child alive until a signal ends ``kvrouter up`` (router.cluster.supervisor)."""
     while True:
-        time.sleep(0.5)
-        for child in cluster.failed_children():
-            if child.name in reported:
-                continue
-            reported.add(child.name)
-            _say(f"{child.name} exited with code {child.proc.returncode}; its log: {child.log_path}")
-            if child.name in ("router", "etcd", "store"):
-                return 1
+        time.sleep(0.2)
+        supervisor.poll()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,30 @@
 """The local cluster: etcd, a store daemon, prefill and decode workers and the router as children.
 
 ``LocalCluster(spec).start()`` brings the parts up in dependency order and waits for each to
-be ready before the next one starts (etcd answers ``/health``; the store and every worker are
-registered in etcd; the router answers ``/health`` and sees every worker). ``stop()`` (or
-leaving the ``with`` block) ends them in reverse order. Guarantees:
+be ready before the next one starts. Ready is each child's own word, never a port that
+answers (another process may hold it): etcd answers ``/health`` on the ports just chosen for
+it; the store and every worker print their ready line (``kvstore ready address=...``,
+``kvengine ready address=...``, printed once registered in etcd); the router logs
+``serving on http://HOST:PORT`` on its port and then answers ``/health`` seeing every worker.
+A router port that is taken fails ``start()`` before anything starts. ``stop()`` (or leaving
+the ``with`` block) ends them in reverse order. Guarantees:
 
-- Every child runs in its own session (process group): stopping a child signals its whole
-  group (SIGTERM, then SIGKILL after ``stop_timeout``), so nothing a child started survives.
-- Every child also gets ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher itself is killed
-  (even with SIGKILL) its direct children are told to stop; no orphans.
+- Every child is a :class:`~router.cluster.child.ChildProcess`: its own process group,
+  ``PR_SET_PDEATHSIG``, its output appended to ``{log_dir}/{name}.log``.
 - A child that exits while the cluster comes up fails ``start()`` with ``LaunchError``
   naming the child and quoting the tail of its log.
+- The cluster secret: ``spec.cluster_secret``, else one generated per cluster (unless
+  ``spec.insecure``), written to ``{log_dir}/cluster-secret`` (0600) and handed to every
+  child as ``$KVCACHE_CLUSTER_SECRET_FILE`` (never on a command line: ``ps`` shows those);
+  the launcher's own ``$KVCACHE_CLUSTER_SECRET`` is not handed on, so the file wins.
+  The file goes at ``stop()``.
+- ``{log_dir}/cluster.json`` says what runs now (URLs, each child's pid, address, id,
+  state, restarts), rewritten on every change; benchmarks read it.
+- Nothing restarts here: :class:`~router.cluster.supervisor.Supervisor` does, over
+  :meth:`respawn` and :meth:`is_ready`; :meth:`stop_child` is a stop the cluster asks for
+  itself, which a supervisor leaves stopped.
 - Nothing process-wide happens in the constructor; signal handling belongs to the CLI.
 
-Children's output goes to ``{log_dir}/{name}.log`` (a temporary directory by default).
 Threads per worker are set explicitly (``--threads`` and ``OMP_NUM_THREADS``); each role's
 workers may be pinned to a CPU set (``prefill_cpus``, ``decode_cpus``, ``colocated_cpus``:
 ``"0"``, ``"0,1"``, ``"0-3"``), applied in the child before exec.
@@ -21,55 +32,37 @@ workers may be pinned to a CPU set (``prefill_cpus``, ``decode_cpus``, ``colocat
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
+import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from kvstore import secret as cluster_secret
 from kvstore.errors import KVStoreError
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
+from router.cluster.child import ChildProcess, free_port, parse_cpus, port_taken
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
-           "resolve_model_dir", "parse_cpus", "DEFAULT_MODEL_NAME"]
+           "resolve_model_dir", "parse_cpus", "DEFAULT_MODEL_NAME", "SECRET_FILE_NAME",
+           "STATE_FILE_NAME"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_PR_SET_PDEATHSIG = 1
+SECRET_FILE_NAME = "cluster-secret"     # in the log directory, 0600
+STATE_FILE_NAME = "cluster.json"        # in the log directory: what runs now
 
 
 class LaunchError(RuntimeError):
     """A part of the local cluster did not come up; the message says which and why."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def parse_cpus(text: str) -> frozenset[int]:
-    """A CPU list as ``taskset -c`` takes it (``"0"``, ``"0,2"``, ``"0-3"``) -> CPU ids."""
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"not a CPU list: {text!r} (want e.g. 0 or 0,1 or 0-3)") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"not a CPU list: {text!r} (want e.g. 0 or 0,1 or 0-3)")
-    return frozenset(cpus)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -113,6 +106,8 @@ class ClusterSpec:
     threads_per_worker: int = 1
     store_memory: str = "512M"
     api_key: str | None = None
+    cluster_secret: str | None = None    # None: a fresh one per cluster (unless insecure)
+    insecure: bool = False               # no cluster secret at all (loopback only)
     request_log: str | None = None
     log_dir: str | None = None
     ready_timeout: float = 180.0
@@ -138,77 +133,6 @@ class ClusterSpec:
             raise ValueError("threads_per_worker must be >= 1")
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    def setup() -> None:  # between fork and exec
-        _set_pdeathsig()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-    return setup
-
-
-@dataclass
-class ChildProcess:
-    """One child in its own process group, its output in ``log_path``."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    cpus: frozenset[int] | None = None   # pinned to these CPUs (None: not pinned)
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, **self.env}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_child_setup(self.cpus))
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n_bytes: int = 2000) -> str:
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[-n_bytes:].decode("utf-8", "replace")
-
-    def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)   # start_new_session: pgid == pid
-        except ProcessLookupError:
-            pass
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the group, wait up to ``timeout``, then SIGKILL it. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.signal_group(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.signal_group(signal.SIGKILL)
-                self.proc.wait()
-        # Anything left in the group (a grandchild that ignored SIGTERM) goes too.
-        self.signal_group(signal.SIGKILL)
-        return self.proc.returncode
-
-
 class LocalCluster:
     """Starts and stops the parts of ``spec``; ``on_status(line)`` reports progress."""
 
@@ -220,10 +144,14 @@ class LocalCluster:
         self.router_url: str | None = None
         self.worker_urls: dict[str, str] = {}      # child name -> http://host:port
         self.model_dir: Path | None = None
+        self.secret: str | None = None
+        self.secret_file: Path | None = None
+        self.state_extra: dict[str, object] = {}  # more for cluster.json (the supervisor's URL)
         self._tmp: str | None = None
         self.log_dir: Path | None = None
         self._http = httpx.Client(timeout=2.0, trust_env=False)
         self._etcd_client: EtcdClient | None = None
+        self._state_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> "LocalCluster":
@@ -243,27 +171,34 @@ class LocalCluster:
 
     def _start(self) -> None:
         spec = self.spec
+        if spec.port and port_taken(spec.host, spec.port):
+            raise LaunchError(f"the router's port {spec.port} on {spec.host} is already in use (another "
+                              "process listens there: an earlier cluster?); stop it or choose another --port")
         self.model_dir = resolve_model_dir(spec.model)
         self._tmp = tempfile.mkdtemp(prefix="kvrouter-up-")
         self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(self._tmp) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.on_status(f"logs in {self.log_dir}")
+        if not spec.insecure:
+            self.secret = spec.cluster_secret or cluster_secret.generate()
+            self.secret_file = cluster_secret.write_secret_file(self.log_dir / SECRET_FILE_NAME, self.secret)
+            self.on_status(f"cluster secret in {self.secret_file} (0600; children read it "
+                           f"through ${cluster_secret.ENV_FILE})")
         if self.etcd_url is None:
             self._start_etcd()
         self._start_store()
         roles = (["colocated"] if spec.mode == "colocated"
                  else ["prefill"] * spec.prefill + ["decode"] * spec.decode)
         counts: dict[str, int] = {}
-        before = self._registered("workers")
         started = []
         for role in roles:   # all at once: their start-up (imports, model load) overlaps
             counts[role] = counts.get(role, 0) + 1
             started.append(self._spawn_worker(f"{role}-{counts[role] - 1}", role))
-        for child, role, url in started:
-            self._wait(child, lambda u=url: self._http.get(f"{u}/health").status_code == 200)
-            self.worker_urls[child.name] = url
-            self.on_status(f"{role} worker {child.name} ready at {url}")
-        self._wait(started[-1][0], lambda: self._registered("workers") >= before + len(roles))
+        for child in started:
+            self._wait(child, lambda c=child: self.is_ready(c))
+            self.worker_urls[child.name] = child.address
+            self.on_status(f"{child.kind} worker {child.name} ready at {child.address} "
+                           f"(worker_id {child.member_id})")
         self.router_url = self.start_router(expect_workers=len(roles))
 
     def child(self, name: str) -> ChildProcess:
@@ -277,6 +212,7 @@ class LocalCluster:
         """Stop every child, the last started first; idempotent."""
         for child in reversed(self.children):
             if child.proc is not None and child.proc.returncode is None:
+                child.deliberate = True
                 code = child.stop(self.spec.stop_timeout)
                 self.on_status(f"stopped {child.name} (exit {code})")
         self.children.clear()
@@ -284,22 +220,84 @@ class LocalCluster:
         if self._etcd_client is not None:
             self._etcd_client.close()
             self._etcd_client = None
+        if self.secret_file is not None:
+            self.secret_file.unlink(missing_ok=True)
+            self.secret_file = None
+        if self.log_dir is not None:
+            (self.log_dir / STATE_FILE_NAME).unlink(missing_ok=True)
         if self._tmp is not None:
             logs_inside = self.log_dir is not None and Path(self._tmp) in self.log_dir.parents
             data = Path(self._tmp) / "etcd-data"
             shutil.rmtree(data if logs_inside else self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def failed_children(self) -> list[ChildProcess]:
-        """Children that have exited (for a supervisor loop)."""
+        """Children that have exited."""
         return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
 
+    # -- one child at a time (the supervisor's and an autoscaler's API) ----------------
+    def stop_child(self, name: str, timeout: float | None = None) -> int | None:
+        """Stop ``name`` on purpose: marked deliberate first, so a supervisor that sees it
+        exit leaves it stopped. Returns its exit code."""
+        child = self.child(name)
+        child.deliberate = True
+        code = child.stop(self.spec.stop_timeout if timeout is None else timeout)
+        self.on_status(f"stopped {name} on request (exit {code})")
+        self.write_state()
+        return code
+
+    def respawn(self, child: ChildProcess) -> None:
+        """Start ``child`` again with the same command line, port and environment (its log
+        is appended to). Readiness is then :meth:`is_ready`'s to tell."""
+        if child.alive():
+            raise LaunchError(f"{child.name} is still running (pid {child.pid})")
+        child.start()
+        self.write_state()
+
+    def is_ready(self, child: ChildProcess) -> bool:
+        """Whether this start of ``child`` serves, by its own word (never raises)."""
+        try:
+            if child.kind == "etcd":
+                return self._http.get(f"{child.address}/health").json().get("health") == "true"
+            if child.ready_match() is None:
+                return False
+            if child.kind == "router":
+                return self._http.get(f"{child.address}/health").status_code in (200, 503)
+            return True
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def write_state(self, states: dict[str, str] | None = None) -> None:
+        """Rewrite ``{log_dir}/cluster.json`` (atomically): URLs, the secret file, every
+        child's pid, address, id, starts and ``states[name]`` (default running/exited)."""
+        if self.log_dir is None:
+            return
+        with self._state_lock:
+            children = {c.name: {"kind": c.kind, "pid": c.pid, "address": c.address, "id": c.member_id,
+                                 "starts": c.starts,
+                                 "state": (states or {}).get(c.name, "running" if c.alive() else "exited")}
+                        for c in self.children}
+            state = {"router": self.router_url, "etcd": self.etcd_url, "cluster": self.spec.cluster,
+                     "secret_file": str(self.secret_file) if self.secret_file else None,
+                     "updated_unix": time.time(), **self.state_extra, "children": children}
+            tmp = self.log_dir / f".{STATE_FILE_NAME}.tmp"
+            tmp.write_text(json.dumps(state, indent=1))
+            os.replace(tmp, self.log_dir / STATE_FILE_NAME)
+
     # -- parts -------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-               cpus: frozenset[int] | None = None) -> ChildProcess:
+    def _spawn(self, name: str, kind: str, argv: list[str], address: str, *,
+               env: dict[str, str] | None = None, cpus: frozenset[int] | None = None,
+               ready_pattern: str | None = None) -> ChildProcess:
         assert self.log_dir is not None
-        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", env or {}, cpus)
+        env = dict(env or {})
+        if self.secret_file is not None:   # a path, not the value: nothing in argv or env to read
+            env[cluster_secret.ENV_FILE] = str(self.secret_file)
+        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", env, cpus, kind=kind,
+                             address=address, ready_pattern=ready_pattern,
+                             unset_env=(cluster_secret.ENV, cluster_secret.ENV_FILE))
         child.start()
         self.children.append(child)
+        self.write_state()
         return child
 
     def _py(self, module: str, *args: str) -> list[str]:
@@ -310,40 +308,44 @@ class LocalCluster:
         client_port, peer_port = free_port(), free_port()
         url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
         assert self._tmp is not None
-        child = self._spawn("etcd", [
+        child = self._spawn("etcd", "etcd", [
             etcd, "--name", "kvlocal", "--data-dir", str(Path(self._tmp) / "etcd-data"),
             "--listen-client-urls", url, "--advertise-client-urls", url,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvlocal={peer}", "--logger", "zap", "--log-level", "warn"])
-        self._wait(child, lambda: self._http.get(f"{url}/health").json().get("health") == "true")
+            "--initial-cluster", f"kvlocal={peer}", "--logger", "zap", "--log-level", "warn"], url)
+        self._wait(child, lambda: self.is_ready(child))
         self.etcd_url = url
         self.on_status(f"etcd ready at {url}")
 
     def _start_store(self) -> None:
         spec = self.spec
         port = free_port()
-        child = self._spawn("store", self._py(
+        child = self._spawn("store", "store", self._py(
             "kvstore.daemon.cli", "serve", "--port", str(port), "--memory", spec.store_memory,
-            "--etcd", self._etcd(), "--cluster", spec.cluster))
-        self._wait(child, lambda: self._registered("stores") >= 1)
-        self.on_status(f"store ready on 127.0.0.1:{port} ({spec.store_memory} host memory)")
+            "--etcd", self._etcd(), "--cluster", spec.cluster), f"127.0.0.1:{port}",
+            ready_pattern=rf"^kvstore ready address=\S*:{port} node_id=(?P<id>\S+)")
+        self._wait(child, lambda: self.is_ready(child))
+        self.on_status(f"store ready on 127.0.0.1:{port} ({spec.store_memory} host memory, "
+                       f"node_id {child.member_id})")
 
-    def _spawn_worker(self, name: str, role: str) -> tuple[ChildProcess, str, str]:
+    def _spawn_worker(self, name: str, role: str) -> ChildProcess:
         spec = self.spec
         port = free_port()
         threads = str(spec.threads_per_worker)
         cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus,
                      "colocated": spec.colocated_cpus}[role]
         cpus = parse_cpus(cpus_text) if cpus_text else None
-        child = self._spawn(name, self._py(
+        url = f"http://127.0.0.1:{port}"
+        child = self._spawn(name, role, self._py(
             "engine.worker.cli", "serve", "--role", role, "--model", str(self.model_dir),
             "--port", str(port), "--etcd", self._etcd(), "--cluster", spec.cluster,
-            "--threads", threads, *spec.worker_args),
+            "--threads", threads, *spec.worker_args), url,
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                 "TOKENIZERS_PARALLELISM": "false"}, cpus=cpus)
+                 "TOKENIZERS_PARALLELISM": "false"}, cpus=cpus,
+            ready_pattern=rf"^kvengine ready address={re.escape(url)} worker_id=(?P<id>\S+)")
         if cpus:
             self.on_status(f"{name}: {threads} thread(s) pinned to CPUs {sorted(cpus)}")
-        return child, role, f"http://127.0.0.1:{port}"
+        return child
 
     def start_router(self, *, name: str = "router", port: int | None = None,
                      mode: str | None = None, policy: str | None = None,
@@ -351,9 +353,14 @@ class LocalCluster:
                      request_log: str | None = None, api_key: str | None = None,
                      expect_workers: int = 1) -> str:
         """Start a router (the cluster's, or another one on the same etcd) and return its URL
-        once ``/health`` answers and it sees ``expect_workers`` workers (0: just answering)."""
+        once it logged that it serves on its port, ``/health`` answers and it sees
+        ``expect_workers`` workers (0: just answering). A port that is taken is a
+        ``LaunchError`` before the router starts."""
         spec = self.spec
         port = port if port is not None else (spec.port or free_port(spec.host))
+        if port_taken(spec.host, port):
+            raise LaunchError(f"{name}: port {port} on {spec.host} is already in use (another process "
+                              "listens there); stop it or choose another port")
         auto_threshold = auto_threshold if auto_threshold is not None else spec.auto_threshold
         request_log = request_log or spec.request_log
         argv = self._py("router.cli", "serve", "--etcd", self._etcd(),
@@ -368,15 +375,21 @@ class LocalCluster:
         api_key = api_key or spec.api_key
         if api_key:
             env["KVROUTER_API_KEY"] = api_key        # not on the command line (ps shows argv)
-        child = self._spawn(name, argv, env)
         url = f"http://{spec.host}:{port}"
+        child = self._spawn(name, "router", argv, url, env=env,
+                            ready_pattern=rf"serving on http://\S*:{port}\b")
 
         def ready() -> bool:
-            resp = self._http.get(f"{url}/health")
+            if not self.is_ready(child):
+                return False
             if expect_workers == 0:
-                return resp.status_code in (200, 503)
+                return True
+            resp = self._http.get(f"{url}/health")
             return resp.status_code == 200 and int(resp.json().get("workers", 0)) >= expect_workers
         self._wait(child, ready)
+        if name == "router":
+            self.router_url = url
+            self.write_state()
         self.on_status(f"{name} ready at {url} ({mode or spec.mode}, "
                        f"{expect_workers} worker(s))")
         return url
@@ -386,12 +399,13 @@ class LocalCluster:
         assert self.etcd_url is not None
         return self.etcd_url
 
-    def _registered(self, kind: layout.Kind) -> int:
-        """How many ``kind`` (``stores``, ``workers``) are registered in the cluster now."""
+    def registered(self, kind: layout.Kind) -> set[str]:
+        """The ids of ``kind`` (``stores``, ``workers``) registered in the cluster now."""
         if self._etcd_client is None:
             self._etcd_client = EtcdClient(self._etcd())
-        members, _revision = self._etcd_client.get_prefix(layout.prefix(self.spec.cluster, kind))
-        return len(members)
+        prefix = layout.prefix(self.spec.cluster, kind)
+        members, _revision = self._etcd_client.get_prefix(prefix)
+        return {k[len(prefix):].strip("/") for k in members}
 
     def _wait(self, child: ChildProcess, ready: Callable[[], bool]) -> None:
         """Poll ``ready`` until true; fail if ``child`` exits or the deadline passes."""
