@@ -13,6 +13,13 @@ torch tensors (CPU tensors in place; a CUDA tensor through a CPU staging copy). 
 buffer must be C-contiguous, writable and at least as large as the block; the block fills
 its head.
 
+Authentication: ``auth_token`` is the cluster secret (``kvstore.secret``); when not given, the
+environment's (``$KVCACHE_CLUSTER_SECRET``, ``$KVCACHE_CLUSTER_SECRET_FILE``, then the
+deprecated ``$KVSTORE_AUTH_TOKEN``).
+
+Large puts are split to fit the daemon's ``max_data`` (its per-connection cap on in-flight
+reservations, from HELLO) as well as ``MAX_BATCH``; each part is stored or not as a whole.
+
 Failure: a refused connection, a connect or I/O timeout or a dropped connection raises
 ``StoreUnavailable`` at once (``timeout`` bounds every connect and every socket wait; never
 a hang); the next call reconnects. Daemon-side errors come back as the typed exceptions of
@@ -32,6 +39,7 @@ from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
+from kvstore import secret
 from kvstore.net import protocol as P
 from kvstore.net.buffers import Dest, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
@@ -45,6 +53,19 @@ Transport = Literal["auto", "tcp", "shm"]
 def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
     for start in range(0, n, size):
         yield slice(start, min(n, start + size))
+
+
+def _byte_chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[slice]:
+    """Slices of at most ``MAX_BATCH`` items and ``max_bytes`` bytes (one item alone may be
+    larger: the daemon then answers StoreFull)."""
+    start, total = 0, 0
+    for i, s in enumerate(sizes):
+        if i > start and (i - start == P.MAX_BATCH or total + s > max_bytes):
+            yield slice(start, i)
+            start, total = i, 0
+        total += s
+    if start < len(sizes):
+        yield slice(start, len(sizes))
 
 
 @contextmanager
@@ -72,7 +93,9 @@ class Client:
             raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
         parse_address(address)  # a malformed address fails here, not on first use
         self.address = address
-        self._token = auth_token if auth_token is not None else os.environ.get("KVSTORE_AUTH_TOKEN")
+        if auth_token is None:  # the cluster secret of the environment (kvstore.secret), else
+            auth_token = secret.resolve() or os.environ.get("KVSTORE_AUTH_TOKEN")  # the old name
+        self._token = auth_token
         self._timeout = timeout
         self._want = transport
         self._lock = threading.RLock()
@@ -111,7 +134,9 @@ class Client:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         srcs = [source_bytes(v) for v in values]
-        for sl in _chunks(len(keys)):
+        with self._lock:
+            max_bytes = int(self._connection().hello.get("max_data", P.MAX_DATA))
+        for sl in _byte_chunks([s.nbytes for s in srcs], max_bytes):
             with self._request() as conn:
                 if conn.arena is not None:
                     self._put_shm(conn, keys[sl], srcs[sl])

@@ -4,6 +4,9 @@
 
     kvstore ready address=127.0.0.1:7700 node_id=<hex> arena=<shm name> metrics=<host:port|->
 
+It refuses to start (one line, non-zero exit) on a port in use, and on a non-loopback
+``--host`` without a cluster secret unless ``--insecure`` (``kvstore.secret``).
+
 On SIGTERM (or SIGINT) it stops accepting, deregisters from etcd, lets in-flight operations
 finish, closes the store (LMDB cleanly) and exits 0. Deregistering before the drain rather
 than after it keeps clients from picking a node that no longer accepts connections.
@@ -12,6 +15,7 @@ than after it keeps clients from picking a node that no longer accepts connectio
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -22,7 +26,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from kvstore import secret
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
+from kvstore.net.limits import ServerLimits
 
 if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick
     from kvstore.coord.registration import Registration
@@ -56,23 +62,31 @@ class Daemon:
     def start(self) -> "Daemon":
         from kvstore.node.arena import remove_stale_arenas
         from kvstore.daemon.metrics import StoreMetrics
-        from kvstore.net.server import StoreServer, load_node_id
+        from kvstore.net.server import StoreServer, load_node_id, raise_nofile_limit
         from kvstore.node.store import BlockStore, StoreConfig
 
         c = self.config
         node_id = self.node_id = load_node_id(c.ssd_path)
+        raise_nofile_limit(c.limits.max_connections + 256)  # sockets, LMDB, the arena, logs
         remove_stale_arenas()  # of daemons that died without unlinking theirs (arena.py)
         store = self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
                                                     ssd_capacity_bytes=c.ssd_capacity_bytes,
-                                                    gpu_memory_bytes=c.gpu_memory_bytes))
+                                                    gpu_memory_bytes=c.gpu_memory_bytes,
+                                                    on_corrupt_ssd=c.on_corrupt_ssd))
         try:
             server = self.server = StoreServer(store, host=c.host, port=c.port, node_id=node_id,
-                                               auth_token=c.auth_token, io_timeout=c.io_timeout)
+                                               auth_token=c.auth_token, limits=c.limits)
             metrics = self.metrics = StoreMetrics(store.stats, lambda: server.connection_count)
             server.metrics = metrics
-            server.bind()
+            try:
+                server.bind()
+            except OSError as e:
+                raise _listen_error("clients", c.host, c.port, e) from None
             if c.metrics_port is not None:
-                metrics.serve(c.metrics_port, c.host)
+                try:
+                    metrics.serve(c.metrics_port, c.host)
+                except OSError as e:
+                    raise _listen_error("/metrics", c.host, c.metrics_port, e) from None
             self._thread = threading.Thread(target=server.serve_forever,
                                             name="kvstore-accept", daemon=True)
             self._thread.start()
@@ -138,15 +152,41 @@ class Daemon:
             self.store = None
 
 
+def _listen_error(what: str, host: str, port: int, e: OSError) -> OSError:
+    hint = " (another process holds it: stop it or pick another port)" if e.errno == errno.EADDRINUSE else ""
+    return OSError(e.errno, f"cannot listen for {what} on {host}:{port}: {e.strerror}{hint}")
+
+
 # --- commands ----------------------------------------------------------------------------------
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The cluster secret from the flags, then the environment (``kvstore.secret``); the
+    deprecated ``--auth-token``/``$KVSTORE_AUTH_TOKEN`` count as a value flag / last."""
+    return (secret.resolve(args.cluster_secret or args.auth_token, args.cluster_secret_file)
+            or os.environ.get("KVSTORE_AUTH_TOKEN") or None)
+
+
+def _reserve_cap(text: str) -> tuple[int, float]:
+    """``--max-conn-reserve``: a size (bytes) or a percentage of the arena."""
+    text = text.strip()
+    if text.endswith("%"):
+        return 0, float(text[:-1]) / 100
+    return parse_size(text), ServerLimits.conn_reserve_fraction
+
+
 def _serve(args: argparse.Namespace) -> int:
+    reserve_bytes, reserve_fraction = _reserve_cap(args.max_conn_reserve)
+    limits = ServerLimits(max_connections=args.max_connections, hello_timeout=args.hello_timeout,
+                          idle_timeout=args.idle_timeout, frame_timeout=args.frame_timeout,
+                          max_conn_reserve=reserve_bytes, conn_reserve_fraction=reserve_fraction,
+                          threads=args.threads)
     config = ServerConfig(
         memory_bytes=parse_size(args.memory), host=args.host, port=args.port,
         ssd_path=args.ssd_path, ssd_capacity_bytes=parse_size(args.ssd_capacity or 0),
         gpu_memory_bytes=parse_size(args.gpu_memory or 0), etcd=args.etcd, cluster=args.cluster,
-        auth_token=args.auth_token or os.environ.get("KVSTORE_AUTH_TOKEN") or None,
+        auth_token=_token(args), insecure=args.insecure, limits=limits,
+        on_corrupt_ssd=args.on_corrupt_ssd,
         metrics_port=args.metrics_port, advertise=args.advertise,
         registration_ttl=args.registration_ttl,
     )
@@ -189,7 +229,7 @@ def _format_stats(stats: dict[str, Any]) -> str:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.client.node import Client
 
-    with Client(args.address, auth_token=args.auth_token, timeout=args.timeout) as c:
+    with Client(args.address, auth_token=_token(args), timeout=args.timeout) as c:
         stats = c.stats()
     print(json.dumps(stats, indent=None if args.json else 2) if args.json else _format_stats(stats))
     return 0
@@ -205,7 +245,7 @@ def _bench(args: argparse.Namespace) -> int:
     values = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(batch)]
     bufs = [np.empty(size, np.uint8) for _ in range(batch)]
     result: dict[str, Any] = {"address": args.address, "block_bytes": size, "batch": batch}
-    with Client(args.address, auth_token=args.auth_token, transport=args.transport,
+    with Client(args.address, auth_token=_token(args), transport=args.transport,
                 timeout=args.timeout) as c:
         result["transport"] = c.transport
         put_s, get_s = [], []
@@ -249,7 +289,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory", help="optional CUDA tier size, e.g. 8G (needs a GPU)")
     s.add_argument("--etcd", help="etcd endpoints URL to register with, e.g. http://127.0.0.1:2379")
     s.add_argument("--cluster", default="kvstore", help="cluster name (etcd key prefix)")
-    s.add_argument("--auth-token", help="token clients must present (or KVSTORE_AUTH_TOKEN)")
+    secret.add_secret_flags(s)
+    s.add_argument("--auth-token", help="deprecated: the cluster secret's old name "
+                                        "(--cluster-secret; also $KVSTORE_AUTH_TOKEN)")
+    d = ServerLimits()
+    s.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help="open connections served at once; one more gets an error and is closed "
+                        f"(default {d.max_connections})")
+    s.add_argument("--threads", type=int, default=d.threads, metavar="N",
+                   help="serving threads: connections with a request in progress at once; idle "
+                        f"connections hold none (default {d.threads})")
+    s.add_argument("--hello-timeout", type=float, default=d.hello_timeout, metavar="SECONDS",
+                   help=f"drop a connection that has not said HELLO by then (default {d.hello_timeout:g})")
+    s.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
+                   help=f"drop a connection idle that long (default {d.idle_timeout:g})")
+    s.add_argument("--frame-timeout", type=float, default=d.frame_timeout, metavar="SECONDS",
+                   help="a request must arrive whole within this time of its first byte, else its "
+                        f"reservation is released and the connection closed (default {d.frame_timeout:g})")
+    s.add_argument("--max-conn-reserve", default=f"{d.conn_reserve_fraction:.0%}", metavar="SIZE|PCT",
+                   help="arena space one connection may hold reserved before it has sent the bytes, "
+                        "as a size (256M) or a share of --memory (default "
+                        f"{d.conn_reserve_fraction:.0%}); clients split their puts to fit")
+    s.add_argument("--on-corrupt-ssd", choices=("move-aside", "fail"), default="move-aside",
+                   help="a damaged --ssd-path at start: move it aside and start empty, keeping the "
+                        "node id (default), or fail to start")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     s.add_argument("--advertise", help="host:port registered in etcd (default: the bound address)")
     s.add_argument("--registration-ttl", type=float, metavar="SECONDS",
@@ -263,8 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                           ("bench", _bench, "quick put/get throughput against a node")):
         c = sub.add_parser(name, help=doc)
         c.add_argument("address", help="host:port of the daemon")
+        secret.add_secret_flags(c, server=False)
         c.add_argument("--auth-token", default=None,
-                       help="the daemon's --auth-token (default: $KVSTORE_AUTH_TOKEN, else none)")
+                       help="deprecated: the cluster secret's old name (--cluster-secret; also "
+                            "$KVSTORE_AUTH_TOKEN)")
         c.add_argument("--json", action="store_true", help="one JSON object instead of text")
         c.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                        help="bound on connecting and on each reply (default 5)")
@@ -294,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvstore {args.command}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"kvstore {args.command}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

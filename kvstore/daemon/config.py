@@ -1,15 +1,23 @@
 """The daemon's configuration: one typed object, validated once, defaults in one place.
 
-The CLI (``kvstore serve``) and the environment (``KVSTORE_AUTH_TOKEN``) both feed
-``ServerConfig``; nothing else sets daemon options.
+The CLI (``kvstore serve``) and the environment (the cluster secret, ``kvstore.secret``; the
+deprecated ``KVSTORE_AUTH_TOKEN``) both feed ``ServerConfig``; nothing else sets daemon
+options.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.coord.registration import DEFAULT_TTL
+from typing import TYPE_CHECKING
+
+from kvstore.net.limits import ServerLimits
+from kvstore.secret import check_bind
+
+if TYPE_CHECKING:
+    from kvstore.node.ssd_tier import CorruptSsdPolicy
 
 __all__ = ["ServerConfig", "parse_size", "format_size", "DEFAULT_PORT"]
 
@@ -41,8 +49,12 @@ class ServerConfig:
 
     ``port`` 0 binds an ephemeral port (the readiness line reports it). ``advertise`` is the
     address registered in etcd; by default ``host:port``, or this machine's hostname when
-    bound to a wildcard address. ``io_timeout`` bounds how long a half-received frame may
-    stall before its connection is dropped; ``drain_timeout`` how long SIGTERM waits for
+    bound to a wildcard address. ``auth_token`` is the cluster secret (``kvstore.secret``);
+    without one only a loopback ``host`` is served, unless ``insecure``. ``limits`` are what
+    one daemon allows its clients (``ServerLimits``: connections, timeouts, the
+    per-connection reservation cap, serving threads). ``on_corrupt_ssd``: what a damaged
+    SSD tier at start does ("move-aside": moved to a named directory beside it, started
+    empty; "fail": the daemon does not start). ``drain_timeout`` is how long SIGTERM waits for
     in-flight operations. ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
     whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
     """
@@ -59,7 +71,9 @@ class ServerConfig:
     metrics_port: int | None = None
     advertise: str | None = None
     registration_ttl: float = DEFAULT_TTL
-    io_timeout: float = 30.0
+    insecure: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    on_corrupt_ssd: CorruptSsdPolicy = "move-aside"
     drain_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -77,5 +91,8 @@ class ServerConfig:
             raise ValueError(f"--cluster must be a non-empty name without '/', got {self.cluster!r}")
         if not self.registration_ttl > 0:
             raise ValueError(f"--registration-ttl must be positive seconds, got {self.registration_ttl}")
-        if self.io_timeout <= 0 or self.drain_timeout < 0:
-            raise ValueError("io_timeout must be positive and drain_timeout non-negative")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must not be negative")
+        if self.on_corrupt_ssd not in ("move-aside", "fail"):
+            raise ValueError(f"--on-corrupt-ssd must be move-aside or fail, got {self.on_corrupt_ssd!r}")
+        check_bind(self.host, self.auth_token, self.insecure, what="store daemon")

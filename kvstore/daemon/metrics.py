@@ -14,6 +14,11 @@ Exported (all prefixed ``kvstore_``):
   ``blocks``; and the store-wide counters (``puts_total``, ``put_noops_total``,
   ``store_full_total``).
 - ``connections``: open client connections.
+- ``connections_dropped_total{reason}``: connections the daemon closed or refused, by
+  reason: ``limit`` (over --max-connections), ``fd_exhausted`` (out of file descriptors),
+  ``hello_timeout``, ``idle_timeout``, ``frame_timeout``.
+- ``accept_errors_total``: ``accept`` failures for want of file descriptors (EMFILE/ENFILE).
+- ``ssd_moved_aside_total``: damaged SSD tiers moved aside at start (from the store's stats).
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class _StoreCollector(Collector):
 
 
 class StoreMetrics:
-    """The daemon's metrics. ``observe``/``transferred``/``error`` are called by the server;
+    """The daemon's metrics. ``observe``/``transferred``/``error``/``dropped``/``accept_error``
+    are called by the server;
     ``serve(port)`` exposes ``/metrics`` over HTTP until ``close()``."""
 
     def __init__(self, stats: Callable[[], StoreStats],
@@ -84,6 +90,10 @@ class StoreMetrics:
                               ["direction", "path"], registry=self.registry)
         self._errors = Counter("kvstore_errors", "Error answers per error code", ["code"],
                                registry=self.registry)
+        self._dropped = Counter("kvstore_connections_dropped", "Connections closed or refused "
+                                "by the daemon, per reason", ["reason"], registry=self.registry)
+        self._accept_errors = Counter("kvstore_accept_errors", "accept() failures for want of "
+                                      "file descriptors", registry=self.registry)
         self.registry.register(_StoreCollector(stats, connections))
         self._httpd = None
         self._thread: threading.Thread | None = None
@@ -97,6 +107,12 @@ class StoreMetrics:
 
     def error(self, code: str) -> None:
         self._errors.labels(code).inc()
+
+    def dropped(self, reason: str) -> None:
+        self._dropped.labels(reason).inc()
+
+    def accept_error(self) -> None:
+        self._accept_errors.inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP exporter; return the bound port (``port`` 0 picks a free one)."""

@@ -122,6 +122,10 @@ class Connection:
         self._traffic.sent += P.HEADER_SIZE + len(meta) + data_len
         self.recv([self._hdr])
         h = P.unpack_header(self._hdr)
+        if h.flags & P.FLAG_ERROR and h.request_id == 0:  # about the connection (protocol.py)
+            rmeta = memoryview(bytearray(min(h.meta_len, 1 << 16)))
+            self.recv([rmeta])
+            raise P.error_from_meta(rmeta)
         if h.request_id != self.rid or h.op != op or not h.flags & P.FLAG_RESPONSE:
             raise ProtocolError(f"response (op {h.op}, id {h.request_id}) does not answer "
                                 f"request (op {int(op)}, id {self.rid})")

@@ -51,18 +51,28 @@ daemon's arena (named in the HELLO response; used only when the HELLO host ids m
 mapping succeeds), writes or reads block bytes in place, and only keys and offsets cross the
 socket. Whatever a connection has reserved or pinned is released when it closes or dies.
 
-The first frame of a connection must be HELLO; with a daemon auth token the client's token
-must match, otherwise the daemon answers an AUTH error and closes the connection.
+The first frame of a connection must be HELLO; with a daemon auth token (the cluster secret,
+``kvstore.secret``) the client's token must match, otherwise the daemon answers an AUTH error
+and closes the connection. Before HELLO succeeds the daemon holds at most ``HEADER_SIZE +
+MAX_HELLO_META`` bytes for the connection and tells it nothing (no node id, no arena).
+
+Request id 0 is the daemon's: an error frame with request id 0 is about the connection, not
+a request (a bad header, or a daemon that cannot take the connection: at its connection
+limit or out of file descriptors it answers UNAVAILABLE before any request and closes).
 
 Errors: a response with the ERROR flag carries ``u16 code`` then a UTF-8 message; the client
 raises the matching exception of ``kvstore.errors`` (``ErrorCode``), never an integer.
 A PUT that cannot fit fails as a whole with STORE_FULL and leaves nothing reserved.
 
 Limits: meta at most ``MAX_META`` bytes, at most ``MAX_BATCH`` keys per frame, data at most
-``MAX_DATA`` bytes (the daemon also rejects a PUT larger than its arena) and only on PUT
-requests. Bad input — wrong magic or version, an unknown op, an absurd length, a malformed
+``MAX_DATA`` bytes and only on PUT requests. A request's meta is checked against its op's
+limit (``meta_limit``: the largest meta the op can carry, ``MAX_HELLO_META`` for HELLO, 0 for
+STATS) from the header alone, before anything is read or allocated. A PUT (or a RESERVE,
+with what the connection already holds reserved) larger than the HELLO response's
+``max_data`` (the daemon's per-connection cap on in-flight reservations) fails with
+STORE_FULL; clients split puts to fit it. Bad input — wrong magic or version, an unknown op, an absurd length, a malformed
 meta, sizes that do not add up to the data length, a truncated frame (EOF or an I/O timeout
-mid-frame) — gets a PROTOCOL error frame where the stream is still readable, and the daemon
+mid-frame, or a frame not complete within the daemon's frame deadline) — gets a PROTOCOL error frame where the stream is still readable, and the daemon
 then closes that one connection, releasing its reservations and pins. Every other connection
 is unaffected.
 """
@@ -74,7 +84,7 @@ import socket
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -87,7 +97,7 @@ __all__ = [
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
-    "tune_socket", "SOCKET_BUFFER",
+    "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit",
 ]
 
 MAGIC = b"KVSP"
@@ -98,6 +108,7 @@ MAX_META = 16 << 20
 MAX_BATCH = 1 << 16
 MAX_DATA = 1 << 36
 MISSING = (1 << 64) - 1
+MAX_HELLO_META = 4096  # a HELLO's JSON: token, host id, pid
 
 FLAG_RESPONSE = 0x1
 FLAG_ERROR = 0x2
@@ -141,6 +152,17 @@ _EXC_BY_CODE: dict[int, type[KVStoreError]] = {
     ErrorCode.UNAVAILABLE: StoreUnavailable,
     ErrorCode.INTERNAL: KVStoreError,
 }
+
+
+_KEYS_META = 4 + MAX_BATCH * KEY_BYTES
+_KEYS_SIZES_META = 4 + MAX_BATCH * (KEY_BYTES + 8)
+_META_LIMIT: dict[int, int] = {Op.HELLO: MAX_HELLO_META, Op.PUT: _KEYS_SIZES_META, Op.RESERVE: _KEYS_SIZES_META,
+               Op.STATS: 0}
+
+
+def meta_limit(op: int) -> int:
+    """The largest meta a request of ``op`` can carry (keys ops: ``MAX_BATCH`` keys)."""
+    return _META_LIMIT.get(op, _KEYS_META)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +296,10 @@ def tune_socket(sock: socket.socket, timeout: float | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview,
+               before: Callable[[], None] | None = None) -> None:
     """Fill ``view`` from ``sock``; raise ``ConnectionError`` on EOF (a truncated frame)."""
-    recv_buffers(sock, [view])
+    recv_buffers(sock, [view], before)
 
 
 def _advance(bufs: list[memoryview], i: int, n: int) -> int:
@@ -293,14 +316,17 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def recv_buffers(sock: socket.socket, views: list) -> int:
+def recv_buffers(sock: socket.socket, views: list, before: Callable[[], None] | None = None) -> int:
     """Fill every writable view in order with as few syscalls as the kernel allows
     (``recvmsg_into``, up to ``_IOV_MAX`` views a call); return the bytes read. Raise
-    ``ConnectionError`` on EOF (a truncated frame)."""
+    ``ConnectionError`` on EOF (a truncated frame). ``before`` is called before every
+    receive call (the daemon's whole-frame deadline: it raises once the frame is late)."""
     bufs = [v for v in (memoryview(b).cast("B") for b in views) if v.nbytes]
     total = sum(v.nbytes for v in bufs)
     i = 0
     while i < len(bufs):
+        if before is not None:
+            before()
         if i + 1 == len(bufs):  # one left: recv_into is the cheaper call
             got = sock.recv_into(bufs[i])
         else:
@@ -312,11 +338,12 @@ def recv_buffers(sock: socket.socket, views: list) -> int:
     return total
 
 
-def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview,
+          before: Callable[[], None] | None = None) -> None:
     """Read and discard ``nbytes`` (keeps the stream framed after a rejected payload)."""
     while nbytes > 0:
         chunk = min(nbytes, scratch.nbytes)
-        recv_exact(sock, scratch[:chunk])
+        recv_exact(sock, scratch[:chunk], before)
         nbytes -= chunk
 
 

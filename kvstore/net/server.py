@@ -1,51 +1,67 @@
-"""The daemon's socket server: one thread per connection over a ``BlockStore``.
+"""The daemon's socket server: one epoll thread for every waiting connection, a bounded pool
+of serving threads for the ones with something to say, over a ``BlockStore``.
 
-Each connection is served by its own thread with a blocking socket (see docs/architecture.md,
-"Threads, not asyncio"): a PUT's values are ``recv_into``'d straight into their reserved
-arena slots and a GET's values are sent with ``sendmsg`` straight from their pinned slots,
-the GIL released during each copy. The wire format is ``kvstore.net.protocol``.
+Threads (see docs/architecture.md, "Threads, not asyncio", and "The store daemon's
+connections"):
 
-A connection's reservations and pins are made with the connection as their ``owner`` and
-released (``BlockStore.release_owner``) when it ends, however it ends (clean close, bad input, a dead peer, an I/O timeout mid-frame). Bad input closes that
-connection only. ``shutdown()`` stops accepting, lets every connection finish the operation
-it is in, then returns; the caller closes the store afterwards.
+- ``serve_forever()`` (the caller's thread) owns the listening socket and one epoll set.
+  Every connection that waits for its next request waits there, registered one-shot, and
+  costs no thread: 10,000 idle clients are 10,000 sockets and small objects, not 10,000
+  threads.
+- When a connection becomes readable it is handed to a pool of at most
+  ``limits.threads`` serving threads (started as needed). The thread runs
+  ``Session.step()``: frames are read and answered with blocking ``recv_into``/``sendmsg``
+  straight into and out of the arena (the GIL released during each copy; the wire format is
+  ``kvstore.net.protocol``), then the connection is re-armed in the epoll set.
+- The epoll thread also enforces the limits of ``ServerLimits``: at most
+  ``max_connections`` (one more gets an UNAVAILABLE error frame and is closed), HELLO within
+  ``hello_timeout``, an idle connection dropped after ``idle_timeout``, a frame complete
+  within ``frame_timeout`` of its first byte (``Session`` enforces it while it reads). When
+  the process runs out of file descriptors (EMFILE/ENFILE) accepting keeps going: the
+  error is counted, a spare descriptor kept for the purpose lets the daemon tell the
+  waiting peer so and close it, and accepting resumes as soon as descriptors free up.
+
+A connection's reservations and pins are made with its ``Session`` as their ``owner`` and
+released (``BlockStore.release_owner``) when it ends, however it ends (clean close, bad
+input, a dead peer, a timeout). Bad input closes that connection only. ``shutdown()`` stops
+accepting, closes waiting connections, lets every connection in a serving thread finish the
+operation it is in, then returns; the caller closes the store afterwards.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import hmac
+import errno
 import logging
 import os
+import queue
+import resource
 import select
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Literal, NoReturn, Protocol
-
-import numpy as np
+from typing import Any, Literal, Protocol
 
 from kvstore.net import protocol as P
-from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
-from kvstore.keys import BlockKey
+from kvstore.net.limits import ServerLimits
+from kvstore.net.session import Close, FrameTimeout, Session
 from kvstore.node.store import BlockStore
 
-__all__ = ["ServerMetrics", "StoreServer", "load_node_id"]
+__all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "load_node_id", "raise_nofile_limit"]
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.25  # how often an idle connection notices shutdown
-_SCRATCH = 1 << 20
+_ARM = select.EPOLLIN | select.EPOLLONESHOT
+_ACCEPT_BURST = 64
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def load_node_id(ssd_path: str | None) -> str:
-    """The node's stable identity: kept in ``{ssd_path}/node_id`` so a restarted node owns
-    the same keys; a fresh one per run when the node has no SSD data."""
+    """The node's stable identity: kept in ``{ssd_path}/node_id`` (0600) so a restarted node
+    owns the same keys; a fresh one per run when the node has no SSD data."""
     if not ssd_path:
         return uuid.uuid4().hex
-    os.makedirs(ssd_path, exist_ok=True)
+    os.makedirs(ssd_path, mode=0o700, exist_ok=True)
     path = os.path.join(ssd_path, "node_id")
     try:
         with open(path) as f:
@@ -56,7 +72,8 @@ def load_node_id(ssd_path: str | None) -> str:
         pass
     node_id = uuid.uuid4().hex
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(node_id + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -64,8 +81,23 @@ def load_node_id(ssd_path: str | None) -> str:
     return node_id
 
 
+def raise_nofile_limit(want: int) -> int:
+    """Raise this process's soft RLIMIT_NOFILE towards ``want`` (never above the hard
+    limit); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
 DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
+DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout"]
 
 
 class ServerMetrics(Protocol):
@@ -80,364 +112,292 @@ class ServerMetrics(Protocol):
     def error(self, code: str) -> None:
         """One error answer of ``code`` (an error code's name, lower case)."""
 
+    def dropped(self, reason: DropReason) -> None:
+        """The daemon closed (or refused) one connection for ``reason``."""
 
-class _Close(Exception):
-    """End this connection (after an error frame was sent, or the stream is unusable)."""
+    def accept_error(self) -> None:
+        """``accept`` failed for want of file descriptors (EMFILE, ENFILE)."""
 
 
 class StoreServer:
-    """Serves one ``BlockStore`` over the kvstore protocol.
+    """Serves one ``BlockStore`` over the kvstore protocol (module docstring).
 
-    ``metrics`` (optional, a ``ServerMetrics``) receives ``observe(op, seconds)``,
-    ``transferred(direction, path, nbytes)`` and ``error(code)`` calls. Construction has no side effects; ``bind()`` opens
-    the listening socket and ``serve_forever()`` accepts until ``shutdown()``.
+    ``metrics`` (optional, a ``ServerMetrics``) receives the server's observations.
+    Construction has no side effects; ``bind()`` opens the listening socket and
+    ``serve_forever()`` serves until ``shutdown()``.
     """
 
     def __init__(self, store: BlockStore, *, host: str, port: int, node_id: str,
-                 auth_token: str | None = None, io_timeout: float = 30.0,
+                 auth_token: str | None = None, limits: ServerLimits | None = None,
                  metrics: ServerMetrics | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self.host_id = P.local_host_id()
-        self._host, self._port = host, port
-        self._token = auth_token.encode() if auth_token else None
-        self._io_timeout = io_timeout
+        self.limits = limits = limits or ServerLimits()
+        self.max_reserve = limits.max_conn_reserve or max(
+            P.MAX_BATCH, int(limits.conn_reserve_fraction * store.arena.size))
+        self.token = auth_token.encode() if auth_token else None
         self.metrics = metrics
-        self._listener: socket.socket | None = None
-        self._stopping = threading.Event()
-        self._conns: set[_Connection] = set()
-        self._lock = threading.Lock()
-        self._started = time.monotonic()
         self.address: tuple[str, int] | None = None
+        self.accept_errors = 0
+        self._host, self._port = host, port
+        self._listener: socket.socket | None = None
+        self._ep: Any = None  # select.epoll, while serve_forever runs
+        self._stopping = threading.Event()
+        self._sessions: dict[int, Session] = {}  # by file descriptor
+        self._lock = threading.Lock()  # guards _sessions and every session's state
+        self._queue: queue.SimpleQueue[Session | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle_workers = 0
+        self._pool_lock = threading.Lock()
+        self._spare: int | None = None
+        self._last_fd_warning = 0.0
+        self._started = time.monotonic()
+
+    # --- lifecycle ----------------------------------------------------------------------
 
     def bind(self) -> tuple[str, int]:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, self._port))
-        sock.listen(128)
-        sock.settimeout(_IDLE_POLL_S)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+            sock.listen(1024)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
         self._listener = sock
         address: tuple[str, int] = sock.getsockname()[:2]
         self.address = address
         return address
 
     def serve_forever(self) -> None:
-        assert self._listener is not None, "bind() first"
-        while not self._stopping.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    break
-                raise
-            P.tune_socket(sock, self._io_timeout)
-            conn = _Connection(self, sock, peer)
+        listener = self._listener
+        assert listener is not None, "bind() first"
+        ep = self._ep = select.epoll()
+        ep.register(listener.fileno(), select.EPOLLIN)
+        paused_until: float | None = None
+        L = self.limits
+        tick = max(0.01, min(0.25, L.hello_timeout / 4, L.idle_timeout / 4, L.frame_timeout / 4))
+        next_sweep = time.monotonic() + tick
+        try:
+            self._spare = os.open(os.devnull, os.O_RDONLY)
+        except OSError:
+            self._spare = None
+        try:
+            while not self._stopping.is_set():
+                for fd, _ in ep.poll(tick):
+                    if fd == listener.fileno():
+                        if not self._accept(listener):  # out of descriptors, no spare: back off
+                            ep.unregister(fd)
+                            paused_until = time.monotonic() + 0.1
+                        continue
+                    s = self._sessions.get(fd)
+                    if s is not None and s.state == "idle":  # only this thread leaves "idle"
+                        s.state = "busy"
+                        self._submit(s)
+                now = time.monotonic()
+                if paused_until is not None and now >= paused_until:
+                    ep.register(listener.fileno(), select.EPOLLIN)
+                    paused_until = None
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + tick
+        finally:
+            listener.close()
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=conn.run, name=f"kvstore-conn-{peer}", daemon=True).start()
-        self._listener.close()
+                idle = [s for s in self._sessions.values() if s.state == "idle"]
+            for s in idle:
+                self._close(s)
+            self._ep = None
+            ep.close()
+            if self._spare is not None:
+                os.close(self._spare)
+                self._spare = None
 
     def stop_accepting(self) -> None:
         self._stopping.set()
 
     def shutdown(self, timeout: float = 10.0) -> bool:
-        """Stop accepting and wait up to ``timeout`` for every connection to finish its
-        current operation and close. True when all did."""
+        """Stop accepting, close waiting connections and wait up to ``timeout`` for every
+        busy one to finish its current operation and close. True when all did."""
         self._stopping.set()
         deadline = time.monotonic() + timeout
+        done = False
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._conns:
-                    return True
+                if not self._sessions:
+                    done = True
+                    break
             time.sleep(0.02)
-        with self._lock:
-            log.warning("%d connection(s) still busy after %.1fs", len(self._conns), timeout)
-            return not self._conns
+        for _ in self._workers:
+            self._queue.put(None)
+        if not done:
+            log.warning("%d connection(s) still busy after %.1fs", self.connection_count, timeout)
+        return done
 
     @property
     def connection_count(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        return len(self._sessions)
 
     def server_stats(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "host_id": self.host_id,
                 "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
-                "connections": self.connection_count,
+                "connections": self.connection_count, "serving_threads": len(self._workers),
+                "max_data": self.max_reserve, "accept_errors": self.accept_errors,
                 "uptime_s": round(time.monotonic() - self._started, 3)}
 
-    def _forget(self, conn: "_Connection") -> None:
-        with self._lock:
-            self._conns.discard(conn)
+    # --- accepting ----------------------------------------------------------------------
 
-
-class _Connection:
-    """One client connection: its socket, its reservations and pins, its request loop."""
-
-    def __init__(self, server: StoreServer, sock: socket.socket, peer) -> None:
-        self.server = server
-        self.store = server.store
-        self.sock = sock
-        self.peer = peer
-        self.authed = False
-        self.reserved: dict[BlockKey, int] = {}
-        self.pins: collections.Counter[BlockKey] = collections.Counter()
-        self._hdr = memoryview(bytearray(P.HEADER_SIZE))
-        self._scratch: memoryview | None = None
-        self._poller = select.poll()
-        self._poller.register(sock, select.POLLIN)
-        self._handlers: dict[int, Callable[[P.Header, memoryview], None]] = {
-            P.Op.HELLO: self._hello, P.Op.PUT: self._put, P.Op.GET: self._get,
-            P.Op.CONTAINS: self._contains, P.Op.PREFIX_LEN: self._prefix_len,
-            P.Op.DELETE: self._delete, P.Op.STATS: self._stats, P.Op.RESERVE: self._reserve,
-            P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.PIN: self._pin,
-            P.Op.UNPIN: self._unpin,
-        }
-
-    # --- loop ---------------------------------------------------------------------------
-
-    def run(self) -> None:
-        try:
-            while True:
-                header = self._read_header()
-                if header is None:
-                    break
-                self._serve(header)
-        except _Close:
-            pass
-        except (ConnectionError, TimeoutError, OSError) as e:
-            log.debug("connection %s dropped: %s", self.peer, e)
-        except Exception:  # a bug: log it, but never take the daemon down with one connection
-            log.exception("connection %s failed", self.peer)
-        finally:
-            self._release()
+    def _accept(self, listener: socket.socket) -> bool:
+        """Accept what waits; False when out of file descriptors with no spare left."""
+        for _ in range(_ACCEPT_BURST):
             try:
-                self.sock.close()
-            finally:
-                self.server._forget(self)
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                if e.errno in _FD_ERRNOS:
+                    if not self._out_of_fds(listener, e):
+                        return False
+                    continue
+                if e.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    log.warning("accept failed: %s", e)
+                continue
+            if len(self._sessions) >= self.limits.max_connections:
+                self._refuse(sock, "limit", f"this daemon serves at most {self.limits.max_connections} "
+                             "connections (--max-connections); retry later or use another node")
+                continue
+            try:
+                P.tune_socket(sock, self.limits.frame_timeout)
+                s = Session(self, sock, peer, time.monotonic())
+                with self._lock:
+                    self._sessions[s.fd] = s
+                self._ep.register(s.fd, _ARM)
+            except OSError as e:
+                log.warning("could not set up connection %s: %s", peer, e)
+                sock.close()
+        return True
 
-    def _read_header(self) -> P.Header | None:
-        """The next frame's header; None on a clean close or when the server is stopping.
-
-        The socket is blocking with the I/O timeout in the kernel (``tune_socket``); an idle
-        connection waits in ``poll`` instead, waking every ``_IDLE_POLL_S`` to notice
-        ``shutdown()``. A frame whose first bytes have already arrived is in flight: it is
-        served even when shutdown began meanwhile; only an idle connection is closed."""
-        while not self._poller.poll(_IDLE_POLL_S * 1000):
-            if self.server._stopping.is_set():
-                return None
-        got = self.sock.recv_into(self._hdr, P.HEADER_SIZE)
-        if got == 0:
-            return None
-        P.recv_exact(self.sock, self._hdr[got:])
+    def _out_of_fds(self, listener: socket.socket, exc: OSError) -> bool:
+        """EMFILE/ENFILE from accept: count it; with the spare descriptor, accept the peer
+        to tell it so and close it. False when there is no spare (the caller backs off)."""
+        self.accept_errors += 1
+        if self.metrics is not None:
+            self.metrics.accept_error()
+        now = time.monotonic()
+        if now - self._last_fd_warning > 5.0:
+            self._last_fd_warning = now
+            log.warning("out of file descriptors (%s) with %d connections open; refusing new ones "
+                        "until some close (raise `ulimit -n` or lower --max-connections)",
+                        exc.strerror, self.connection_count)
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
         try:
-            return P.unpack_header(self._hdr)
-        except ProtocolError as e:
-            self._fail(0, 0, e)
-
-    def _serve(self, h: P.Header) -> None:
-        if h.flags & P.FLAG_RESPONSE:
-            self._fail(h.op, h.request_id, ProtocolError("a client sent a response frame"))
-        if h.flags & P.FLAG_NO_REPLY and h.op != P.Op.UNPIN:
-            self._fail(h.op, h.request_id, ProtocolError("only UNPIN may be sent with NO_REPLY"))
-        handler = self._handlers.get(h.op)
-        if handler is None:
-            self._fail(h.op, h.request_id, ProtocolError(
-                f"unknown op {h.op}; this daemon speaks ops {[int(o) for o in P.Op]}"))
-        if h.data_len and h.op != P.Op.PUT:
-            self._fail(h.op, h.request_id, ProtocolError(f"op {P.Op(h.op).name} carries no data"))
-        meta = memoryview(bytearray(h.meta_len))
-        P.recv_exact(self.sock, meta)
-        if not self.authed and h.op != P.Op.HELLO:
-            self._fail(h.op, h.request_id, AuthError("the first frame of a connection must be HELLO"))
-        t0 = time.perf_counter()
+            sock, _ = listener.accept()
+        except OSError:
+            sock = None
+        if sock is not None:
+            self._refuse(sock, "fd_exhausted", "the kvstore daemon is out of file descriptors; "
+                         "retry later or use another node")
         try:
-            handler(h, meta)
-        except (ProtocolError, AuthError) as e:
-            self._fail(h.op, h.request_id, e)
-        except KVStoreError as e:
-            if h.flags & P.FLAG_NO_REPLY:  # nobody waits for this answer: end the stream
-                self._fail(h.op, h.request_id, e)
-            self._error(h.op, h.request_id, e)
-        finally:
-            if self.server.metrics is not None:
-                self.server.metrics.observe(P.Op(h.op).name.lower(), time.perf_counter() - t0)
+            self._spare = os.open(os.devnull, os.O_RDONLY)
+        except OSError:
+            return False
+        return sock is not None
 
-    # --- replies ------------------------------------------------------------------------
-
-    def _reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None:
-        data_len = sum(v.nbytes for v in data) if data else 0
-        head = P.pack_header(h.op, P.FLAG_RESPONSE, h.request_id, len(meta), data_len)
-        if data:
-            P.send_buffers(self.sock, [head, meta, *data])
-        else:
-            self.sock.sendall(head + meta)
-
-    def _error(self, op: int, rid: int, exc: KVStoreError) -> None:
-        code = P.error_code_for(exc)
-        if self.server.metrics is not None:
-            self.server.metrics.error(code.name.lower())
-        meta = P.pack_error(code, str(exc))
-        self.sock.sendall(P.pack_header(op, P.FLAG_RESPONSE | P.FLAG_ERROR, rid, len(meta)) + meta)
-
-    def _fail(self, op: int, rid: int, exc: KVStoreError) -> NoReturn:
-        """Answer ``exc`` if the socket still takes it, then end the connection."""
-        log.info("closing connection %s: %s", self.peer, exc)
+    def _refuse(self, sock: socket.socket, reason: DropReason, message: str) -> None:
+        """Tell a peer we do not serve it (an UNAVAILABLE frame, request id 0) and close."""
+        meta = P.pack_error(P.ErrorCode.UNAVAILABLE, message)
         try:
-            self._error(op, rid, exc)
+            sock.send(P.pack_header(P.Op.HELLO, P.FLAG_RESPONSE | P.FLAG_ERROR, 0, len(meta)) + meta,
+                      socket.MSG_DONTWAIT)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(P.MAX_HELLO_META, socket.MSG_DONTWAIT)  # what it sent: no RST over our frame
         except OSError:
             pass
-        raise _Close()
+        sock.close()
+        if self.metrics is not None:
+            self.metrics.dropped(reason)
 
-    def _drain(self, nbytes: int) -> None:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH))
-        P.drain(self.sock, nbytes, self._scratch)
+    # --- serving ------------------------------------------------------------------------
 
-    def _release(self) -> None:
+    def _submit(self, s: Session) -> None:
+        self._queue.put(s)
+        with self._pool_lock:
+            grow = (self._queue.qsize() > self._idle_workers
+                    and len(self._workers) < self.limits.threads)
+            if grow:
+                self._idle_workers += 1  # counted idle from now: one new thread per waiting session
+                t = threading.Thread(target=self._work, name=f"kvstore-serve-{len(self._workers)}",
+                                     daemon=True)
+                self._workers.append(t)
+        if grow:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            s = self._queue.get()
+            with self._pool_lock:
+                self._idle_workers -= 1
+            if s is None:
+                return
+            self._serve(s)
+            with self._pool_lock:
+                self._idle_workers += 1
+
+    def _serve(self, s: Session) -> None:
+        reason: DropReason | None = None
         try:
-            self.store.release_owner(self)
-            self.reserved.clear()
-            self.pins.clear()
-        except Exception:
-            log.exception("releasing the reservations and pins of %s failed", self.peer)
+            s.step()
+        except Close:
+            pass
+        except (FrameTimeout, BlockingIOError, TimeoutError) as e:
+            log.info("closing connection %s: %s", s.peer, e or "frame deadline (I/O timeout)")
+            reason = "frame_timeout"
+        except OSError as e:  # ConnectionError included: a dead or truncating peer
+            log.debug("connection %s dropped: %s", s.peer, e)
+        except Exception:  # a bug: log it, but never take the daemon down with one connection
+            log.exception("connection %s failed", s.peer)
+        else:
+            with self._lock:
+                if not self._stopping.is_set() and s.state == "busy":
+                    s.state = "idle"
+                    try:
+                        self._ep.modify(s.fd, _ARM)
+                        return
+                    except (OSError, ValueError, AttributeError):
+                        s.state = "busy"
+        self._close(s, reason)
 
-    def _count(self, direction: Direction, path: DataPath, nbytes: int) -> None:
-        if self.server.metrics is not None and nbytes:
-            self.server.metrics.transferred(direction, path, nbytes)
+    def _sweep(self, now: float) -> None:
+        """Close waiting connections past a deadline (class docstring of ``ServerLimits``)."""
+        L = self.limits
+        expired: list[tuple[Session, DropReason]] = []
+        for s in list(self._sessions.values()):
+            if s.state != "idle":
+                continue
+            if s.frame_started is not None and now - s.frame_started > L.frame_timeout:
+                expired.append((s, "frame_timeout"))
+            elif not s.authed and now - s.opened > L.hello_timeout:
+                expired.append((s, "hello_timeout"))
+            elif now - s.last_active > L.idle_timeout:
+                expired.append((s, "idle_timeout"))
+        for s, reason in expired:
+            log.info("closing connection %s: %s", s.peer, reason.replace("_", " "))
+            self._close(s, reason)
 
-    # --- ops ----------------------------------------------------------------------------
-
-    def _hello(self, h: P.Header, meta: memoryview) -> None:
-        req = P.unpack_json(meta)
-        if not isinstance(req, dict):
-            raise ProtocolError("HELLO meta must be a JSON object")
-        token = self.server._token
-        if token is not None:
-            given = str(req.get("token") or "").encode()
-            if not hmac.compare_digest(given, token):
-                raise AuthError("wrong or missing auth token: pass the daemon's --auth-token "
-                                "(or set KVSTORE_AUTH_TOKEN) on the client")
-        self.authed = True
-        arena = self.store.arena
-        self._reply(h, P.pack_json({
-            "node_id": self.server.node_id, "host_id": self.server.host_id,
-            "arena": {"name": arena.name, "size": arena.size},
-            "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, arena.size),
-        }))
-
-    def _put(self, h: P.Header, meta: memoryview) -> None:
-        keys, sizes = P.unpack_keys_sizes(meta)
-        total = sum(sizes)
-        if total != h.data_len:
-            raise ProtocolError(f"PUT declares blocks of {total} bytes in all but carries "
-                                f"{h.data_len} bytes of data")
-        arena = self.store.arena
-        if total > arena.size:
-            self._fail(h.op, h.request_id, StoreFull(
-                f"a PUT of {total} bytes exceeds this node's {arena.size}-byte arena; "
-                "put fewer blocks at once or raise --memory"))
-        try:
-            res = self.store.reserve(list(zip(keys, sizes)), owner=self)
-        except StoreFull:
-            self._drain(total)
-            raise
-        # The reservations are this connection's (owner=self): if the frame breaks off, the
-        # connection's end aborts them. ``self.reserved`` tracks only RESERVE's, which the
-        # client commits or aborts in later frames.
-        buf = arena.buf
-        for r, s in zip(res, sizes):
-            if r is None:
-                self._drain(s)
-            else:
-                P.recv_exact(self.sock, buf[r.offset: r.offset + s])
-        self.store.commit([k for k, r in zip(keys, res) if r is not None])
-        self._count("in", "tcp", total)
-        self._reply(h, bytes(1 if r is not None else 0 for r in res))
-
-    def _get(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys, owner=self)
-        pinned = [k for k, loc in zip(keys, locs) if loc is not None]
-        try:
-            buf = self.store.arena.buf
-            sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
-                                dtype="<u8", count=len(locs))
-            data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
-            self._reply(h, sizes.tobytes(), data)
-            self._count("out", "tcp", sum(v.nbytes for v in data))
-        finally:
-            if pinned:
-                self.store.unpin(pinned, owner=self)
-
-    def _contains(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
-
-    def _prefix_len(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, P._U32.pack(self.store.prefix_len(P.unpack_keys(meta))))
-
-    def _delete(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
-
-    def _stats(self, h: P.Header, meta: memoryview) -> None:
-        stats = dataclasses.asdict(self.store.stats())
-        self._reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
-
-    def _reserve(self, h: P.Header, meta: memoryview) -> None:
-        keys, sizes = P.unpack_keys_sizes(meta)
-        res = self.store.reserve(list(zip(keys, sizes)), owner=self)
-        for k, r, s in zip(keys, res, sizes):
-            if r is not None:
-                self.reserved[k] = s
-        offsets = np.fromiter((r.offset if r is not None else P.MISSING for r in res),
-                              dtype="<u8", count=len(res))
-        self._reply(h, offsets.tobytes())
-
-    def _owned_reservations(self, keys: list[BlockKey], verb: str) -> int:
-        missing = [k for k in keys if k not in self.reserved]
-        if missing:
-            raise ProtocolError(f"{verb} of {len(missing)} key(s) this connection has not "
-                                f"reserved (first {missing[0].hex()})")
-        return sum(self.reserved.pop(k) for k in keys)
-
-    def _commit(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        nbytes = self._owned_reservations(keys, "COMMIT")
-        self.store.commit(keys)
-        self._count("in", "shm", nbytes)
-        self._reply(h)
-
-    def _abort(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        self._owned_reservations(keys, "ABORT")
-        self.store.abort(keys)
-        self._reply(h)
-
-    def _pin(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys, owner=self)
-        n = len(keys)
-        out = np.full(2 * n, P.MISSING, dtype="<u8")
-        nbytes = 0
-        for i, (k, loc) in enumerate(zip(keys, locs)):
-            if loc is not None:
-                self.pins[k] += 1
-                out[i], out[n + i] = loc.offset, loc.size
-                nbytes += loc.size
-        self._count("out", "shm", nbytes)
-        self._reply(h, out.tobytes())
-
-    def _unpin(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        need = collections.Counter(keys)
-        bad = [k for k, c in need.items() if self.pins[k] < c]
-        if bad:
-            raise ProtocolError(f"UNPIN of {len(bad)} key(s) this connection has not pinned "
-                                f"(first {bad[0].hex()})")
-        self.pins.subtract(need)
-        self.pins = +self.pins
-        self.store.unpin(keys, owner=self)
-        if not h.flags & P.FLAG_NO_REPLY:
-            self._reply(h)
+    def _close(self, s: Session, reason: DropReason | None = None) -> None:
+        with self._lock:
+            if s.state == "closed":
+                return
+            s.state = "closed"
+            if self._sessions.get(s.fd) is s:
+                del self._sessions[s.fd]
+        s.release()
+        s.sock.close()  # also leaves the epoll set
+        if reason is not None and self.metrics is not None:
+            self.metrics.dropped(reason)

@@ -22,29 +22,54 @@ same transaction, until it fits; a block larger than the whole capacity is not w
 ``map_size`` is sized from the capacity with headroom for LMDB's page rounding, B-tree and
 free pages that readers still hold.
 
+Files are the owner's only: the directory is made 0700, LMDB's files 0600 (an existing
+directory is tightened to that), like the shared-memory arena.
+
+Damage: when LMDB cannot open the environment or read its index (a corrupted header page,
+``MDB_INVALID``, ``MDB_CORRUPTED``, a version mismatch), ``on_corrupt="move-aside"`` (the
+default) renames the directory to ``{path}.corrupt-<UTC time>`` (logged; ``moved_aside``
+names it), starts an empty tier in a fresh directory at ``path`` and carries over the
+directory's other files (``node_id``: the node keeps its identity). It is a cache: what was
+on it is a miss. ``on_corrupt="fail"`` raises the ``lmdb.Error``, as before.
+
 Thread safety: the index has its own lock (held only for dict work); writes are serialized by
 a write lock; reads run concurrently in their own read transactions.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import lmdb
 import xxhash
 
 from kvstore.keys import BlockKey
 
-__all__ = ["SsdTier", "SsdRecord", "checksum"]
+__all__ = ["SsdTier", "SsdRecord", "checksum", "CorruptSsdPolicy"]
+
+log = logging.getLogger(__name__)
+
+CorruptSsdPolicy = Literal["move-aside", "fail"]
+_LMDB_FILES = ("data.mdb", "lock.mdb")
 
 _META = struct.Struct("<QQQ")
 _MIB = 1 << 20
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` (0700), or tighten an existing one to the owner only."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -62,25 +87,63 @@ class SsdRecord:
 class SsdTier:
     """An LMDB-backed block tier. ``capacity_bytes`` 0 means half the disk's free space."""
 
-    def __init__(self, path: str, capacity_bytes: int = 0) -> None:
-        os.makedirs(path, exist_ok=True)
+    def __init__(self, path: str, capacity_bytes: int = 0,
+                 on_corrupt: CorruptSsdPolicy = "move-aside") -> None:
+        _private_dir(path)
         if capacity_bytes <= 0:
             capacity_bytes = shutil.disk_usage(path).free // 2
         self.path = path
         self.capacity = capacity_bytes
-        map_size = (capacity_bytes + capacity_bytes // 2 + 256 * _MIB + 4095) // 4096 * 4096
-        self._env = lmdb.open(
-            path, map_size=map_size, max_dbs=2, metasync=False, readahead=False, max_readers=512
-        )
-        self._env.reader_check()  # clear reader slots of killed processes
-        self._data = self._env.open_db(b"data")
-        self._meta = self._env.open_db(b"meta")
+        self.moved_aside: str | None = None  # where a damaged tier went (module docstring)
+        self._map_size = (capacity_bytes + capacity_bytes // 2 + 256 * _MIB + 4095) // 4096 * 4096
         self._index: OrderedDict[BlockKey, SsdRecord] = OrderedDict()
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self.used_bytes = 0
         self.corrupt = 0  # records dropped because they failed verification
-        self._stamp = self._rebuild()
+        try:
+            self._stamp = self._open()
+        except lmdb.Error as e:
+            if on_corrupt == "fail":
+                raise
+            self._move_aside(e)
+            self._stamp = self._open()
+
+    def _open(self) -> int:
+        self._env = env = lmdb.open(self.path, map_size=self._map_size, max_dbs=2, metasync=False,
+                                    readahead=False, max_readers=512, mode=0o600)
+        try:
+            for name in _LMDB_FILES:
+                p = os.path.join(self.path, name)
+                if os.path.exists(p) and os.stat(p).st_mode & 0o077:
+                    os.chmod(p, 0o600)
+            env.reader_check()  # clear reader slots of killed processes
+            self._data = env.open_db(b"data")
+            self._meta = env.open_db(b"meta")
+            return self._rebuild()
+        except BaseException:
+            env.close()
+            self._index.clear()
+            self.used_bytes = 0
+            raise
+
+    def _move_aside(self, exc: lmdb.Error) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = f"{self.path.rstrip(os.sep)}.corrupt-{stamp}"
+        n = 1
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{self.path.rstrip(os.sep)}.corrupt-{stamp}-{n}"
+        os.rename(self.path, aside)
+        _private_dir(self.path)
+        for name in os.listdir(aside):  # node_id and the like: the node keeps its identity
+            src = os.path.join(aside, name)
+            if name not in _LMDB_FILES and os.path.isfile(src):
+                shutil.copy2(src, os.path.join(self.path, name))
+        self.moved_aside = aside
+        log.error("the SSD tier at %s is damaged (%s: %s); moved it to %s and started an empty "
+                  "tier (--on-corrupt-ssd fail refuses to start instead)",
+                  self.path, type(exc).__name__, exc, aside)
 
     # -- lookups ------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ class StoreStats:
     puts: int = 0  # blocks committed by writers
     put_noops: int = 0  # reserve items answered None (already present or being written)
     store_full: int = 0  # reserve calls that raised StoreFull
+    ssd_moved_aside: int = 0  # damaged SSD tiers moved aside at start (ssd_tier.py)
 
     def copy(self) -> "StoreStats":
         return copy.deepcopy(self)

@@ -40,7 +40,7 @@ from kvstore.node.arena import Arena
 from kvstore.errors import KVStoreError, StoreFull, StoreUnavailable
 from kvstore.node.host_tier import EntryState, HostEntry, HostIndex
 from kvstore.keys import BlockKey
-from kvstore.node.ssd_tier import SsdTier, checksum
+from kvstore.node.ssd_tier import CorruptSsdPolicy, SsdTier, checksum
 from kvstore.node.stats import StoreStats, TierStats
 from kvstore.node.tiering import Tiering
 
@@ -61,6 +61,7 @@ class StoreConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     shm_name: str | None = None
+    on_corrupt_ssd: CorruptSsdPolicy = "move-aside"  # a damaged SSD tier (ssd_tier.py)
 
     def __post_init__(self) -> None:
         if self.memory_bytes < GRANULE:
@@ -102,7 +103,8 @@ class BlockStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self._host = HostIndex(config.memory_bytes, GRANULE)
-        self._ssd = SsdTier(config.ssd_path, config.ssd_capacity_bytes) if config.ssd_path else None
+        self._ssd = (SsdTier(config.ssd_path, config.ssd_capacity_bytes, config.on_corrupt_ssd)
+                     if config.ssd_path else None)
         self._gpu = None
         try:
             if config.gpu_memory_bytes > 0:
@@ -122,7 +124,9 @@ class BlockStore:
         self._s_ssd = TierStats(capacity_bytes=self._ssd.capacity if self._ssd is not None else 0)
         self._counters = StoreStats(host=self._s_host,
                                     gpu=self._s_gpu if self._gpu is not None else None,
-                                    ssd=self._s_ssd if self._ssd is not None else None)
+                                    ssd=self._s_ssd if self._ssd is not None else None,
+                                    ssd_moved_aside=int(self._ssd is not None
+                                                        and self._ssd.moved_aside is not None))
         self._tiers = Tiering(self._host, self._gpu, self._ssd, self.arena, self._lock,
                               self._counters,
                               high_bytes=int(config.high_watermark * self._host.capacity),

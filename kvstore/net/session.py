@@ -1,0 +1,419 @@
+"""``Session``: one client connection as the daemon serves it: its frames, limits and ops.
+
+A session is served in steps (``step()``) by one of the server's serving threads, whenever
+its socket is readable; between steps it waits in the server's epoll set and holds no thread
+(``kvstore.net.server``). A step reads what has arrived without blocking until a whole
+header is in, then serves frames while more are waiting:
+
+- Before HELLO succeeds nothing blocks and nothing but the 32-byte header and a HELLO meta
+  of at most ``MAX_HELLO_META`` bytes is held: a peer that has not authenticated cannot
+  make the daemon allocate, or hold a thread.
+- A header is checked as a whole (op, flags, ``meta_limit(op)``, data only on PUT) before a
+  byte of its meta is read or allocated.
+- An authenticated frame's meta and data are then read with blocking ``recv_into`` (a PUT's
+  values straight into their reserved arena slots; a GET's answer is ``sendmsg``'d from its
+  pinned slots) under one deadline for the whole frame, counted from its first byte
+  (``frame_timeout``), not per receive call: a frame that trickles in is cut off at it.
+- What one connection holds reserved (a PUT in flight, RESERVEs not yet committed) is
+  capped at ``max_reserve`` bytes, so no single client evicts more than its share of the
+  arena before it has sent the bytes.
+
+Whatever the session has reserved or pinned (``owner=self``) is released by ``release()``,
+which the server calls however the session ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hmac
+import logging
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Callable, Literal, NoReturn
+
+import numpy as np
+
+from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
+from kvstore.keys import BlockKey
+from kvstore.net import protocol as P
+
+if TYPE_CHECKING:
+    from kvstore.net.server import StoreServer
+
+__all__ = ["Session", "Close", "FrameTimeout"]
+
+log = logging.getLogger("kvstore.net.server")
+
+_SCRATCH = 1 << 20
+_BURST = 64  # frames served in one step before the session yields its thread
+
+Direction = Literal["in", "out"]
+DataPath = Literal["tcp", "shm"]
+
+
+class Close(Exception):
+    """End this session (after an error frame was sent, or the stream is unusable)."""
+
+
+class FrameTimeout(TimeoutError):
+    """A frame was not complete within the frame deadline."""
+
+
+def _timeval(seconds: float) -> bytes:
+    """A ``struct timeval`` of at least 1 ms (0 would mean no timeout at all)."""
+    usec = max(1000, int(seconds * 1e6))
+    return struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
+
+
+class Session:
+    """One connection (module docstring). ``state`` is the server's: "idle" (in the epoll
+    set), "busy" (queued for or in a serving thread) or "closed"."""
+
+    __slots__ = ("server", "store", "sock", "fd", "peer", "state", "authed", "opened",
+                 "last_active", "frame_started", "_hdr", "_hdr_got", "_header", "_pre",
+                 "_pre_got", "_scratch", "_deadline", "_rcvtimeo", "reserved",
+                 "reserved_bytes", "pins", "__weakref__")
+
+    def __init__(self, server: "StoreServer", sock: socket.socket, peer: object, now: float) -> None:
+        self.server = server
+        self.store = server.store
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.state = "idle"
+        self.authed = False
+        self.opened = self.last_active = now
+        self.frame_started: float | None = None  # first byte of a frame not yet served
+        self._hdr = bytearray(P.HEADER_SIZE)
+        self._hdr_got = 0
+        self._header: P.Header | None = None
+        self._pre: bytearray | None = None  # the HELLO meta, read without blocking
+        self._pre_got = 0
+        self._scratch: memoryview | None = None
+        self._deadline = 0.0
+        self._rcvtimeo = server.limits.frame_timeout  # the kernel's SO_RCVTIMEO now
+        self.reserved: dict[BlockKey, int] = {}
+        self.reserved_bytes = 0
+        self.pins: collections.Counter[BlockKey] = collections.Counter()
+
+    # --- steps --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Serve what has arrived, then return to wait for more. Raises ``Close`` (also at
+        a clean end of stream), ``FrameTimeout`` or ``OSError`` when the session must end."""
+        for _ in range(_BURST):
+            h = self._header or self._read_header()
+            if h is None:
+                return
+            self._header = h
+            if not self.authed:
+                meta = self._read_hello_meta(h)
+                if meta is None:
+                    return
+                self._header, self._pre = None, None
+                self._run(h, meta)
+            else:
+                self._header = None
+                self.reset_timeouts()
+                self._deadline = (self.frame_started or time.monotonic()) + self.server.limits.frame_timeout
+                meta = memoryview(bytearray(h.meta_len))
+                P.recv_exact(self.sock, meta, self._before_recv)
+                self._run(h, meta)
+            self.frame_started = None
+            self.last_active = time.monotonic()
+
+    def _recv_nowait(self, buf: memoryview) -> int:
+        """Bytes read into ``buf`` without blocking (0: nothing there yet)."""
+        try:
+            got = self.sock.recv_into(buf, buf.nbytes, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        if got == 0:
+            if self.frame_started is not None:
+                raise ConnectionError("peer closed the connection mid-frame")
+            raise Close()  # a clean end of stream
+        if self.frame_started is None:
+            self.frame_started = time.monotonic()
+        return got
+
+    def _read_header(self) -> P.Header | None:
+        view = memoryview(self._hdr)
+        while self._hdr_got < P.HEADER_SIZE:
+            got = self._recv_nowait(view[self._hdr_got:])
+            if not got:
+                return None
+            self._hdr_got += got
+        self._hdr_got = 0
+        try:
+            h = P.unpack_header(self._hdr)
+        except ProtocolError as e:
+            self.fail(0, 0, e)
+        self._check(h)
+        return h
+
+    def _check(self, h: P.Header) -> None:
+        """Everything a header alone can be refused for, before its meta is read."""
+        if h.flags & P.FLAG_RESPONSE:
+            self.fail(h.op, h.request_id, ProtocolError("a client sent a response frame"))
+        if h.flags & P.FLAG_NO_REPLY and h.op != P.Op.UNPIN:
+            self.fail(h.op, h.request_id, ProtocolError("only UNPIN may be sent with NO_REPLY"))
+        if h.op not in _HANDLERS:
+            self.fail(h.op, h.request_id, ProtocolError(
+                f"unknown op {h.op}; this daemon speaks ops {[int(o) for o in P.Op]}"))
+        if h.data_len and h.op != P.Op.PUT:
+            self.fail(h.op, h.request_id, ProtocolError(f"op {P.Op(h.op).name} carries no data"))
+        limit = P.meta_limit(h.op)
+        if h.meta_len > limit:
+            self.fail(h.op, h.request_id, ProtocolError(
+                f"{P.Op(h.op).name} meta of {h.meta_len} bytes exceeds its {limit}-byte limit"))
+        if not self.authed and h.op != P.Op.HELLO:
+            self.fail(h.op, h.request_id, AuthError("the first frame of a connection must be HELLO"))
+
+    def _read_hello_meta(self, h: P.Header) -> memoryview | None:
+        if self._pre is None:
+            self._pre, self._pre_got = bytearray(h.meta_len), 0
+        view = memoryview(self._pre)
+        while self._pre_got < h.meta_len:
+            got = self._recv_nowait(view[self._pre_got:])
+            if not got:
+                return None
+            self._pre_got += got
+        return view
+
+    def _before_recv(self) -> None:
+        """The whole-frame deadline: called before every blocking receive of a frame. The
+        kernel's receive timeout is lowered only near the deadline, so that a frame that
+        arrives in time costs no extra system call."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise FrameTimeout(f"frame not complete within {self.server.limits.frame_timeout:g} s")
+        slack = max(0.05, 0.1 * self.server.limits.frame_timeout)
+        if left < self._rcvtimeo - slack:
+            self._set_rcvtimeo(left)
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self._rcvtimeo = seconds
+
+    def reset_timeouts(self) -> None:
+        """Restore the kernel's receive timeout after a frame that lowered it."""
+        if self._rcvtimeo != self.server.limits.frame_timeout:
+            self._set_rcvtimeo(self.server.limits.frame_timeout)
+
+    def _run(self, h: P.Header, meta: memoryview) -> None:
+        metrics = self.server.metrics
+        t0 = time.perf_counter()
+        try:
+            _HANDLERS[h.op](self, h, meta)
+        except (ProtocolError, AuthError) as e:
+            self.fail(h.op, h.request_id, e)
+        except KVStoreError as e:
+            if h.flags & P.FLAG_NO_REPLY:  # nobody waits for this answer: end the stream
+                self.fail(h.op, h.request_id, e)
+            self._error(h.op, h.request_id, e)
+        finally:
+            if metrics is not None:
+                metrics.observe(P.Op(h.op).name.lower(), time.perf_counter() - t0)
+
+    # --- replies ------------------------------------------------------------------------
+
+    def _reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None:
+        data_len = sum(v.nbytes for v in data) if data else 0
+        head = P.pack_header(h.op, P.FLAG_RESPONSE, h.request_id, len(meta), data_len)
+        if data:
+            P.send_buffers(self.sock, [head, meta, *data])
+        else:
+            self.sock.sendall(head + meta)
+
+    def _error(self, op: int, rid: int, exc: KVStoreError) -> None:
+        code = P.error_code_for(exc)
+        if self.server.metrics is not None:
+            self.server.metrics.error(code.name.lower())
+        meta = P.pack_error(code, str(exc))
+        self.sock.sendall(P.pack_header(op, P.FLAG_RESPONSE | P.FLAG_ERROR, rid, len(meta)) + meta)
+
+    def fail(self, op: int, rid: int, exc: KVStoreError) -> NoReturn:
+        """Answer ``exc`` if the socket still takes it, then end the session."""
+        log.info("closing connection %s: %s", self.peer, exc)
+        try:
+            self._error(op, rid, exc)
+        except OSError:
+            pass
+        raise Close()
+
+    def _drain(self, nbytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        P.drain(self.sock, nbytes, self._scratch, self._before_recv)
+
+    def release(self) -> None:
+        """Abort this session's reservations and drop its pins (idempotent)."""
+        try:
+            self.store.release_owner(self)
+            self.reserved.clear()
+            self.reserved_bytes = 0
+            self.pins.clear()
+        except Exception:
+            log.exception("releasing the reservations and pins of %s failed", self.peer)
+
+    def _count(self, direction: Direction, path: DataPath, nbytes: int) -> None:
+        if self.server.metrics is not None and nbytes:
+            self.server.metrics.transferred(direction, path, nbytes)
+
+    def _check_reserve(self, total: int, op: str) -> None:
+        cap = self.server.max_reserve
+        if self.reserved_bytes + total > cap:
+            raise StoreFull(
+                f"a {op} of {total} bytes would hold {self.reserved_bytes + total} bytes "
+                f"reserved on this connection, over its {cap}-byte cap (max_data); put fewer "
+                "blocks at once, commit reservations first, or raise the daemon's --max-conn-reserve")
+
+    # --- ops ----------------------------------------------------------------------------
+
+    def _hello(self, h: P.Header, meta: memoryview) -> None:
+        req = P.unpack_json(meta)
+        if not isinstance(req, dict):
+            raise ProtocolError("HELLO meta must be a JSON object")
+        token = self.server.token
+        if token is not None:
+            given = str(req.get("token") or "").encode()
+            if not hmac.compare_digest(given, token):
+                raise AuthError("wrong or missing auth token (the cluster secret): give the client "
+                                "the daemon's secret (--cluster-secret-file, $KVCACHE_CLUSTER_SECRET)")
+        if self.authed:
+            raise ProtocolError("a second HELLO on one connection")
+        self.authed = True
+        arena = self.store.arena
+        self._reply(h, P.pack_json({
+            "node_id": self.server.node_id, "host_id": self.server.host_id,
+            "arena": {"name": arena.name, "size": arena.size},
+            "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, self.server.max_reserve),
+        }))
+
+    def _put(self, h: P.Header, meta: memoryview) -> None:
+        keys, sizes = P.unpack_keys_sizes(meta)
+        total = sum(sizes)
+        if total != h.data_len:
+            raise ProtocolError(f"PUT declares blocks of {total} bytes in all but carries "
+                                f"{h.data_len} bytes of data")
+        try:
+            self._check_reserve(total, "PUT")
+        except StoreFull as e:
+            self.fail(h.op, h.request_id, e)  # too much to drain: end the connection
+        try:
+            res = self.store.reserve(list(zip(keys, sizes)), owner=self)
+        except StoreFull:
+            self._drain(total)
+            raise
+        # The reservations are this session's (owner=self): if the frame breaks off or runs
+        # past its deadline, release() aborts them. ``self.reserved`` tracks only RESERVE's,
+        # which the client commits or aborts in later frames.
+        buf = self.store.arena.buf
+        for r, s in zip(res, sizes):
+            if r is None:
+                self._drain(s)
+            else:
+                P.recv_exact(self.sock, buf[r.offset: r.offset + s], self._before_recv)
+        self.store.commit([k for k, r in zip(keys, res) if r is not None])
+        self._count("in", "tcp", total)
+        self._reply(h, bytes(1 if r is not None else 0 for r in res))
+
+    def _get(self, h: P.Header, meta: memoryview) -> None:
+        keys = P.unpack_keys(meta)
+        locs = self.store.pin(keys, owner=self)
+        pinned = [k for k, loc in zip(keys, locs) if loc is not None]
+        try:
+            buf = self.store.arena.buf
+            sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
+                                dtype="<u8", count=len(locs))
+            data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
+            self._reply(h, sizes.tobytes(), data)
+            self._count("out", "tcp", sum(v.nbytes for v in data))
+        finally:
+            if pinned:
+                self.store.unpin(pinned, owner=self)
+
+    def _contains(self, h: P.Header, meta: memoryview) -> None:
+        self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
+
+    def _prefix_len(self, h: P.Header, meta: memoryview) -> None:
+        self._reply(h, P._U32.pack(self.store.prefix_len(P.unpack_keys(meta))))
+
+    def _delete(self, h: P.Header, meta: memoryview) -> None:
+        self._reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
+
+    def _stats(self, h: P.Header, meta: memoryview) -> None:
+        stats = dataclasses.asdict(self.store.stats())
+        self._reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
+
+    def _reserve(self, h: P.Header, meta: memoryview) -> None:
+        keys, sizes = P.unpack_keys_sizes(meta)
+        self._check_reserve(sum(sizes), "RESERVE")
+        res = self.store.reserve(list(zip(keys, sizes)), owner=self)
+        for k, r, s in zip(keys, res, sizes):
+            if r is not None:
+                self.reserved[k] = s
+                self.reserved_bytes += s
+        offsets = np.fromiter((r.offset if r is not None else P.MISSING for r in res),
+                              dtype="<u8", count=len(res))
+        self._reply(h, offsets.tobytes())
+
+    def _owned_reservations(self, keys: list[BlockKey], verb: str) -> int:
+        missing = [k for k in keys if k not in self.reserved]
+        if missing:
+            raise ProtocolError(f"{verb} of {len(missing)} key(s) this connection has not "
+                                f"reserved (first {missing[0].hex()})")
+        nbytes = sum(self.reserved.pop(k) for k in keys)
+        self.reserved_bytes -= nbytes
+        return nbytes
+
+    def _commit(self, h: P.Header, meta: memoryview) -> None:
+        keys = P.unpack_keys(meta)
+        nbytes = self._owned_reservations(keys, "COMMIT")
+        self.store.commit(keys)
+        self._count("in", "shm", nbytes)
+        self._reply(h)
+
+    def _abort(self, h: P.Header, meta: memoryview) -> None:
+        keys = P.unpack_keys(meta)
+        self._owned_reservations(keys, "ABORT")
+        self.store.abort(keys)
+        self._reply(h)
+
+    def _pin(self, h: P.Header, meta: memoryview) -> None:
+        keys = P.unpack_keys(meta)
+        locs = self.store.pin(keys, owner=self)
+        n = len(keys)
+        out = np.full(2 * n, P.MISSING, dtype="<u8")
+        nbytes = 0
+        for i, (k, loc) in enumerate(zip(keys, locs)):
+            if loc is not None:
+                self.pins[k] += 1
+                out[i], out[n + i] = loc.offset, loc.size
+                nbytes += loc.size
+        self._count("out", "shm", nbytes)
+        self._reply(h, out.tobytes())
+
+    def _unpin(self, h: P.Header, meta: memoryview) -> None:
+        keys = P.unpack_keys(meta)
+        need = collections.Counter(keys)
+        bad = [k for k, c in need.items() if self.pins[k] < c]
+        if bad:
+            raise ProtocolError(f"UNPIN of {len(bad)} key(s) this connection has not pinned "
+                                f"(first {bad[0].hex()})")
+        self.pins.subtract(need)
+        self.pins = +self.pins
+        self.store.unpin(keys, owner=self)
+        if not h.flags & P.FLAG_NO_REPLY:
+            self._reply(h)
+
+
+_HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
+    P.Op.HELLO: Session._hello, P.Op.PUT: Session._put, P.Op.GET: Session._get,
+    P.Op.CONTAINS: Session._contains, P.Op.PREFIX_LEN: Session._prefix_len,
+    P.Op.DELETE: Session._delete, P.Op.STATS: Session._stats, P.Op.RESERVE: Session._reserve,
+    P.Op.COMMIT: Session._commit, P.Op.ABORT: Session._abort, P.Op.PIN: Session._pin,
+    P.Op.UNPIN: Session._unpin,
+}
