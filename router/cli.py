@@ -3,7 +3,10 @@
 - ``kvrouter serve --etcd URL --cluster C --port 8000 --mode disaggregated|colocated|auto
   --policy kv-aware|least-loaded|round-robin --auto-threshold N --api-key KEY --model DIR``:
   the router alone, discovering workers in etcd. The API key may come from the
-  ``KVROUTER_API_KEY`` environment variable instead (keeps it out of ``ps``).
+  ``KVROUTER_API_KEY`` environment variable instead (keeps it out of ``ps``). The cluster
+  secret its calls to workers and to the store carry: ``--cluster-secret-file``,
+  ``--cluster-secret``, ``$KVCACHE_CLUSTER_SECRET`` or ``$KVCACHE_CLUSTER_SECRET_FILE``
+  (``kvstore.secret``).
 - ``kvrouter up [--port 8000] [--prefill N] [--decode N] [--mode M] [--model default|DIR]``:
   etcd (a child on free ports, unless ``--etcd``), a store daemon, the workers and the router,
   each reported as it becomes ready by its own ready line; then a ``curl`` line and an
@@ -46,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.placement.prefill import PREFILL_POLICIES
 
     d = RouterConfig(model_dir="default")
+    from kvstore.secret import add_secret_flags
     from kvstore.version import installed_version
 
     p = argparse.ArgumentParser(prog="kvrouter", description=(__doc__ or "kvrouter").split("\n")[0])
@@ -76,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", type=int, default=d.max_inflight_requests,
                    help=f"requests admitted at once; past it, 429 (default {d.max_inflight_requests})")
     s.add_argument("--request-log", default=None, help="append one JSON line per request here")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="request bodies past this size get 413 without being parsed "
+                        f"(default {d.max_body_bytes})")
     s.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
+    add_secret_flags(s, server=False)
 
     u = sub.add_parser("up", help="run etcd, a store, workers and the router locally")
     u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
@@ -125,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- kvrouter serve ------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvstore.secret import SecretError, resolve
     from router.config import RouterConfig
     from router.cluster.launcher import LaunchError, resolve_model_dir
     from router.server_main import run_router
@@ -138,8 +147,9 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port, etcd=args.etcd, cluster=args.cluster, store=args.store,
             mode=args.mode, policy=args.policy, auto_threshold_tokens=args.auto_threshold,
             max_inflight_requests=args.max_inflight, api_key=args.api_key or None,
-            request_log=args.request_log)
-    except (LaunchError, ValueError) as exc:
+            request_log=args.request_log, max_body_bytes=args.max_body_bytes,
+            cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file))
+    except (LaunchError, SecretError, ValueError) as exc:
         print(f"kvrouter: {exc}", file=sys.stderr)
         return 2
     return run_router(config, log_level=args.log_level)

@@ -28,8 +28,12 @@ class RouterConfig:
     ``mode``: ``disaggregated`` (prefill pool → store → decode pool), ``colocated`` (one
     worker does both; the rollback path) or ``auto`` (requests whose uncached part is shorter
     than ``auto_threshold_tokens`` prefill on their decode worker). ``max_inflight_requests``:
-    admission control; past it requests get 429. ``api_key``: when set, ``/v1/*`` requires
-    ``Authorization: Bearer <api_key>``.
+    admission control; past it requests get 429. ``api_key``: when set, every path but
+    ``/health`` and ``/metrics`` requires ``Authorization: Bearer <api_key>`` (the public
+    endpoint's key). ``cluster_secret``: the cluster's internal secret (``kvstore.secret``),
+    sent on every call to a worker and to the store; never printed. ``max_body_bytes``: a
+    request body past it gets 413 without being parsed. ``store_probe_interval_s``: how often
+    the store is asked whether it is up (``/health``, and placement avoids it while down).
     """
 
     model_dir: str
@@ -48,6 +52,9 @@ class RouterConfig:
     worker_timeout_s: float = 5.0         # connect / unary calls to workers
     stream_timeout_s: float = 300.0       # silence allowed between streamed tokens
     rates: RateConfig = field(default_factory=RateConfig)
+    cluster_secret: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 16 * 1024 * 1024
+    store_probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -68,3 +75,9 @@ class RouterConfig:
             raise ValueError(f"cluster must be a non-empty name without '/', got {self.cluster!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (use None to disable authentication)")
+        if self.cluster_secret == "":
+            raise ValueError("cluster_secret must not be empty (use None for no secret)")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.store_probe_interval_s <= 0:
+            raise ValueError("store_probe_interval_s must be positive")

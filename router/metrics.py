@@ -3,7 +3,9 @@
 Latencies: TTFT (arrival → first token), inter-token latency (between streamed tokens), TPOT
 ((end - first token) / (tokens - 1)), end-to-end. Routing: decisions per worker and phase,
 decisions per route (``kind`` = a ``router.placement.route.Route``: ``disaggregated``,
-``colocated``, ``auto-local``: auto mode prefilling on the decode worker, ``auto-remote``). Cache: prompt tokens found in each tier (``device``, ``store``) and computed.
+``colocated``, ``auto-local``: auto mode prefilling on the decode worker, ``auto-remote``,
+``store-down``: the decode worker prefilling because the store is down). Cache: prompt tokens
+found in each tier (``device``, ``store``) and computed.
 Transfer: KV bytes and seconds to and from the store. Requests by endpoint and status.
 """
 
@@ -46,7 +48,7 @@ class RouterMetrics:
                                          "Requests sent to each worker, by phase",
                                          ["worker", "phase"], registry=r)
         self.route_kind = Counter("kvrouter_route_kind",
-                                  "Requests by route: disaggregated, colocated, auto-local, auto-remote",
+                                  "Requests by route: disaggregated, colocated, auto-local, auto-remote, store-down",
                                   ["kind"], registry=r)
         self.prompt_tokens = Counter("kvrouter_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("kvrouter_generation_tokens", "Output tokens", registry=r)

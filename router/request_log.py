@@ -5,7 +5,9 @@ however it ends (finished, stopped by a stop string, aborted by the client, fail
 benchmarks read these lines, so the field names below are a contract:
 
 ``request_id``, ``mode`` (the ``router.placement.route.Route``: ``disaggregated`` | ``colocated``
-| ``auto-local`` | ``auto-remote``; null when the request failed before it was placed),
+| ``auto-local`` | ``auto-remote`` | ``store-down``: the store was down, so the decode worker
+prefilled a request that would have been disaggregated; null when the request failed before
+it was placed),
 ``arrival_unix`` (wall clock at arrival), ``timeline`` (seconds since arrival, monotonic clock):
 ``queued`` (0.0), ``prefill_start``, ``prefill_end`` (the prefill's first token; in a
 ``phase="full"`` run, the worker's first token), ``transfer_start`` (decode request sent: the

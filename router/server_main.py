@@ -1,16 +1,19 @@
 """Assembles and runs one router process: app, placement, store lookups, etcd registration.
 
 ``build_app(config)`` gives ``router.http.app.create_app`` (whose orchestrator does disaggregated /
-colocated / auto placement with failover) a store client for store-hit lookups
-(``prefix_len``, used by the ``kv-aware`` policy and ``auto`` mode) and the per-request JSONL
-log.
+colocated / auto placement with failover) the router's view of the store
+(``router.workers.store.StoreView``: store-hit lookups for the ``kv-aware`` policy and
+``auto`` mode, probes for ``/health`` and for placement, which avoids a store that is down)
+and the per-request JSONL log. The store client and the worker calls carry
+``config.cluster_secret``.
 ``run_router(config)`` serves it with uvicorn and registers the router in etcd under
 ``/{cluster}/routers/{id}`` (lease-kept; gone within the TTL when the process dies). SIGTERM
 or SIGINT stop it gracefully (uvicorn's own handling); the registration, the store client and
 the request log are closed on the way out.
 
 Exit codes: 0 after a clean stop, 2 when it cannot start (tokenizer missing, etcd
-unreachable), with one line naming the problem.
+unreachable, the app's start-up failing: uvicorn then returns without having started), with
+one line naming the problem.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fastapi import FastAPI
 from kvstore.errors import KVStoreError
 from router.config import RouterConfig
 from router.request_log import RequestLog
+from router.workers.store import StoreLookup, StoreView
 
 __all__ = ["RouterParts", "build_app", "run_router"]
 
@@ -42,7 +46,7 @@ class RouterParts:
 
     app: FastAPI
     request_log: RequestLog
-    store: Any | None = None
+    store: StoreView | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -54,17 +58,28 @@ class RouterParts:
         self.request_log.close()
 
 
-def _store_client(config: RouterConfig) -> Any | None:
+def _store_view(config: RouterConfig) -> StoreView | None:
+    """The store the router asks (``--store``, else the nodes registered in etcd), with the
+    cluster secret. A client that cannot be built now is built again by the view's probe;
+    meanwhile routing counts device hits only and avoids the store."""
     import kvstore
 
-    try:
+    if not config.store and not config.etcd:
+        return None
+
+    def connect() -> StoreLookup:
         if config.store:
-            return kvstore.connect(config.store)
-        if config.etcd:
-            return kvstore.connect(etcd=config.etcd, cluster=config.cluster)
-    except Exception as exc:  # noqa: BLE001 - lookups are an optimization; route without them
-        log.warning("no store client (%s): kv-aware routing will count device hits only", exc)
-    return None
+            return kvstore.connect(config.store, auth_token=config.cluster_secret)
+        assert config.etcd is not None
+        return kvstore.connect(etcd=config.etcd, cluster=config.cluster,
+                               auth_token=config.cluster_secret)
+
+    where = config.store or f"the store nodes of cluster {config.cluster!r} in etcd"
+    view = StoreView(connect, probe_interval=config.store_probe_interval_s, where=where)
+    if view.up is False:
+        log.warning("no store client yet (%s): routing counts device hits only until it "
+                    "answers", view.health()["detail"])
+    return view
 
 
 def build_app(config: RouterConfig) -> RouterParts:
@@ -72,10 +87,9 @@ def build_app(config: RouterConfig) -> RouterParts:
     from router.http.app import create_app
 
     request_log = RequestLog(config.request_log)
-    store = _store_client(config)
+    store = _store_view(config)
     try:
-        app = create_app(config, store_prefix=store.prefix_len if store is not None else None,
-                         request_log=request_log)
+        app = create_app(config, store=store, request_log=request_log)
     except BaseException:   # the store client is not handed on: close it here
         if store is not None:
             store.close()
@@ -134,6 +148,10 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
         log.info("serving on http://%s:%d (mode %s, policy %s)", host, port, config.mode,
                  config.policy)
         server.run(sockets=[sock])
+        if not server.started:   # the app's start-up failed (uvicorn logged why) or a signal came first
+            print("kvrouter: cannot start: the app did not start (its start-up failed; the log "
+                  "above says why)", file=sys.stderr)
+            return 2
         return 0
     except (OSError, ValueError, KVStoreError) as exc:  # ValueError: a malformed --cluster
         print(f"kvrouter: cannot start: {exc}", file=sys.stderr)

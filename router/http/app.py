@@ -1,9 +1,11 @@
 """The router's OpenAI-compatible HTTP app (FastAPI).
 
-``create_app(config, pool=..., store_prefix=..., request_log=...)`` wires the building blocks:
+``create_app(config, pool=..., store=..., request_log=...)`` wires the building blocks:
 
-- text in: :mod:`router.http.openai_types` parses and validates; the tokenizer encodes prompts or
-  renders the chat template; prompt + ``max_tokens`` is checked against the model's context.
+- text in: the body is read up to ``config.max_body_bytes`` (past it: 413, unparsed) and parsed
+  as JSON (nesting too deep for the parser: 400); :mod:`router.http.openai_types`'s pydantic
+  models validate it (their schemas are ``/docs``'); the tokenizer encodes prompts or renders
+  the chat template; prompt + ``max_tokens`` is checked against the model's context.
 - placement: :class:`router.placement.orchestrator.Orchestrator` in ``config.mode`` (disaggregated,
   colocated or auto, with failover) streams each choice's token ids; :mod:`router.http.choices`
   turns them into text. What placement and the workers raise becomes an HTTP status and an
@@ -11,8 +13,10 @@
 - text out: :mod:`router.http.openai_responses` builds bodies and SSE chunks.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health`` (503 while no worker is known; says when etcd is
-unreachable), ``GET /metrics``. With ``config.api_key`` set, ``/v1/*`` needs
+``GET /v1/models``, ``GET /health`` (each dependency: etcd, the store, the workers by role;
+``degraded`` when one is down; 503 only while no worker can decode), ``GET /metrics``. Every
+error, routing's 404 and 405 included, is an OpenAI error body with its status. With
+``config.api_key`` set, everything but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``. Admission control: past ``config.max_inflight_requests``
 requests in flight, new ones get 429. A client that disconnects mid-stream closes the choice
 streams, which aborts the request on its workers.
@@ -32,16 +36,22 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.tokenizer import ChatTemplateError, Tokenizer
 from router.config import RouterConfig
 from router.http.choices import ChoiceDelta, ChoiceResult, collect_choice, run_choice
-from router.http.errors import (BadRequest, ModelNotFound, OpenAIError, ServiceUnavailable,
-                                TooManyRequests, Unauthorized, openai_error)
+from router.http.errors import (BadRequest, HTTPStatus, ModelNotFound, OpenAIError,
+                                PayloadTooLarge, ServiceUnavailable, TooManyRequests,
+                                Unauthorized, openai_error)
 from router.http.openai_responses import SSE_DONE, ResponseFormatter, ResponseKind, sse, usage_json
-from router.http.openai_types import ChatRequest, CompletionRequest, RequestOptions
+from router.http.openai_types import (ChatBody, ChatRequest, CompletionBody, CompletionRequest,
+                                      RequestOptions)
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.placement.errors import PlacementError
 from router.placement.orchestrator import Orchestrator, StorePrefixFn
@@ -50,6 +60,7 @@ from router.placement.serving import ServeRequest, Serving
 from router.request_log import RequestLog
 from router.workers.client import WorkerError
 from router.workers.pool import WorkerPool
+from router.workers.store import StoreView
 
 __all__ = ["AppState", "create_app"]
 
@@ -66,6 +77,7 @@ class AppState:
     policy: PrefillPolicy
     metrics: RouterMetrics
     orchestrator: Serving
+    store: StoreView | None = None
     in_flight: int = 0
 
 
@@ -75,35 +87,48 @@ def create_app(
     pool: WorkerPool | None = None,
     tokenizer: Tokenizer | None = None,
     metrics: RouterMetrics | None = None,
+    store: StoreView | None = None,
     store_prefix: StorePrefixFn | None = None,
     request_log: RequestLog | None = None,
 ) -> FastAPI:
-    """The app; ``pool`` defaults to one watching ``config.etcd`` (required then).
-    ``store_prefix`` (a store client's ``prefix_len``) lets placement count store hits;
+    """The app; ``pool`` defaults to one watching ``config.etcd`` (required then), its worker
+    calls carrying ``config.cluster_secret``. ``store`` (the router's view of the KV store:
+    lookups, probes, health; probed while the app runs) lets placement count store hits and
+    avoid the store while it is down; ``store_prefix`` alone gives lookups without health.
     ``request_log`` receives one record per choice (default: the ``kvrouter.requests`` logger)."""
     if pool is None:
         if config.etcd is None:
             raise ValueError("RouterConfig.etcd is required when no WorkerPool is given")
+        from kvstore.secret import bearer_headers
+
         pool = WorkerPool.from_etcd(config.etcd, config.cluster, rates=config.rates,
-                                    client_timeout=config.worker_timeout_s)
+                                    client_timeout=config.worker_timeout_s,
+                                    headers=bearer_headers(config.cluster_secret))
     metrics = metrics or RouterMetrics()
     policy = PrefillPolicy(config.policy, pool.index)
     orchestrator = Orchestrator(pool, policy, metrics, mode=config.mode,
                                 auto_threshold=config.auto_threshold_tokens,
-                                store_prefix=store_prefix, request_log=request_log)
+                                store_prefix=store.prefix_len if store is not None else store_prefix,
+                                store_up=(lambda: store.up) if store is not None else None,
+                                request_log=request_log)
     state = AppState(config, tokenizer or Tokenizer.from_dir(config.model_dir), pool, policy,
-                     metrics, orchestrator)
+                     metrics, orchestrator, store)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
         try:
+            if state.store is not None:
+                await state.store.start()
             yield
         finally:
+            if state.store is not None:
+                await state.store.stop()
             await state.pool.close()
 
     app = FastAPI(title="kvrouter", lifespan=lifespan)
     app.state.router = state
+    _document_bodies(app)
 
     async def _error(_req: Request, exc: Exception) -> JSONResponse:
         err = openai_error(exc)
@@ -111,12 +136,30 @@ def create_app(
             raise exc
         return JSONResponse(err.to_json(), status_code=err.status)
 
+    async def _http_error(_req: Request, exc: Exception) -> JSONResponse:
+        # Routing's own answers (404 unknown route, 405 method not allowed), OpenAI-shaped.
+        assert isinstance(exc, StarletteHTTPException)
+        err = HTTPStatus(exc.status_code, _http_message(exc))
+        return JSONResponse(err.to_json(), status_code=err.status, headers=exc.headers)
+
+    async def _validation_error(_req: Request, exc: Exception) -> JSONResponse:
+        err = BadRequest(f"the request is malformed: {exc}")
+        return JSONResponse(err.to_json(), status_code=err.status)
+
+    async def _bug(_req: Request, exc: Exception) -> JSONResponse:
+        # A bug: still OpenAI's shape (uvicorn logs the traceback).
+        err = OpenAIError(f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.to_json(), status_code=err.status)
+
     for error_type in (OpenAIError, PlacementError, WorkerError):
         app.add_exception_handler(error_type, _error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _bug)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith("/v1/"):
+        if config.api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
                 err = Unauthorized()
@@ -132,11 +175,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = state.pool.health()
-        ok = body["workers"] > 0
-        body["status"] = ("ok" if state.pool.etcd_healthy else "degraded") if ok else "no workers"
-        body["in_flight"] = state.in_flight
-        return JSONResponse(body, status_code=200 if ok else 503)
+        body = _health(state)
+        return JSONResponse(body, status_code=503 if body["status"] == "no workers" else 200)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -145,9 +185,9 @@ def create_app(
                 sum(1 for w in state.pool.workers() if w.info.role == role))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.parse(await _json_body(request))
+        req = CompletionRequest.parse(await _json_body(request, config.max_body_bytes))
         model, info = _resolve_model(state, req.options.model)
         prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p) for p in req.prompts]
         vocab = state.tokenizer.vocab_size
@@ -156,9 +196,9 @@ def create_app(
                              param="prompt")
         return await _serve(state, request, "completion", model, info, prompts, req.options)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatBody))
     async def chat(request: Request) -> Response:
-        req = ChatRequest.parse(await _json_body(request))
+        req = ChatRequest.parse(await _json_body(request, config.max_body_bytes))
         model, info = _resolve_model(state, req.options.model)
         try:
             ids = state.tokenizer.encode_chat(list(req.messages), req.add_generation_prompt,
@@ -173,11 +213,92 @@ def create_app(
 # --- helpers -------------------------------------------------------------------------------
 
 
-async def _json_body(request: Request) -> Any:
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Served without the API key (load balancers and scrapers); everything else needs it."""
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    """The body as JSON: 413 past ``limit`` bytes (the declared length refused before a byte
+    is read, a chunked body as soon as it passes), 400 when it is not JSON or nests deeper
+    than the parser goes (a ``RecursionError``, not a crash)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(limit)
     try:
-        return json.loads(await request.body())
-    except ValueError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+        return json.loads(body)
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply to be parsed") from None
+    except ValueError as exc:   # JSONDecodeError, and bytes that are not UTF-8
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def _http_message(exc: StarletteHTTPException) -> str:
+    if exc.status_code == 404:
+        return "no such route; this server serves /v1/completions, /v1/chat/completions, " \
+               "/v1/models, /health and /metrics"
+    if exc.status_code == 405:
+        return f"method not allowed here (allowed: {(exc.headers or {}).get('allow', '?')})"
+    return str(exc.detail)
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for an endpoint that reads its body itself: the model's schema, its
+    nested models referenced under components (merged in by :func:`_document_bodies`)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _schemas.update(schema.pop("$defs", {}))
+    _schemas[model.__name__] = schema
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+_schemas: dict[str, Any] = {}
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """``/openapi.json`` (and so ``/docs``) with the request models of :func:`_body_schema`."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(_schemas)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _health(state: AppState) -> dict[str, Any]:
+    """``/health``: every dependency's state. ``status``: ``ok``; ``degraded`` when etcd, the
+    store or a role the mode needs is down but requests are still served (answered 200, so a
+    load balancer keeps this router: it serves what it can, and another router of the same
+    cluster would fare no better); ``no workers`` when no worker can decode (503)."""
+    pool, mode = state.pool, state.config.mode
+    prefill, decode = len(pool.prefill_workers()), len(pool.decode_workers())
+    body = pool.health()
+    roles: dict[str, int] = body["roles"]
+    needs_prefill = mode == "disaggregated"
+    workers_ok = decode > 0 and (prefill > 0 or not needs_prefill)
+    worker_detail = ("ok" if workers_ok else "no decode-capable worker" if decode == 0
+                     else "no prefill worker (requests need one in disaggregated mode)")
+    store = state.store.health() if state.store is not None else {"status": "not configured"}
+    deps = {
+        "etcd": {"status": "ok" if pool.etcd_healthy else "down", "detail": body["membership"]},
+        "store": store,
+        "workers": {"status": "ok" if workers_ok else "down", "detail": worker_detail,
+                    "prefill": roles.get("prefill", 0), "decode": roles.get("decode", 0),
+                    "colocated": roles.get("colocated", 0), "prefill_capable": prefill,
+                    "decode_capable": decode},
+    }
+    down = [name for name, d in deps.items() if d["status"] == "down"]
+    body["status"] = "no workers" if decode == 0 else "degraded" if down else "ok"
+    body["down"] = down
+    body["dependencies"] = deps
+    body["in_flight"] = state.in_flight
+    return body
 
 
 def _served_models(state: AppState) -> dict[str, WorkerInfo]:
@@ -205,7 +326,8 @@ def _resolve_model(state: AppState, name: str) -> tuple[str, WorkerInfo]:
 
 
 def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: int) -> int:
-    """The request's max_tokens, after checking it and the prompt fit the context."""
+    """The request's max_tokens, after checking it and the prompt fit the context (and that
+    ``min_tokens`` fits in it)."""
     if not prompt:
         raise BadRequest("the prompt encodes to no tokens", param="prompt")
     if len(prompt) >= max_model_len:
@@ -213,6 +335,10 @@ def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: in
                          f"{max_model_len} tokens", param="prompt", code="context_length_exceeded")
     room = max_model_len - len(prompt)
     if options.max_tokens is None:
+        if options.min_tokens > room:
+            raise BadRequest(f"min_tokens={options.min_tokens} plus the prompt's {len(prompt)} "
+                             f"tokens exceeds the context of {max_model_len} tokens",
+                             param="min_tokens", code="context_length_exceeded")
         return room
     if options.max_tokens > room:
         raise BadRequest(f"max_tokens={options.max_tokens} plus the prompt's {len(prompt)} tokens "
@@ -224,6 +350,10 @@ def _check_lengths(prompt: list[int], options: RequestOptions, max_model_len: in
 async def _serve(state: AppState, http: Request, kind: ResponseKind, model: str, info: WorkerInfo,
                  prompts: list[list[int]], options: RequestOptions) -> Response:
     max_tokens = [_check_lengths(p, options, info.max_model_len) for p in prompts]
+    vocab = state.tokenizer.vocab_size
+    if options.logit_bias and max(options.logit_bias) >= vocab:
+        raise BadRequest(f"'logit_bias' names token ids outside the vocabulary (0..{vocab - 1})",
+                         param="logit_bias")
     if state.in_flight >= state.config.max_inflight_requests:
         state.metrics.requests.labels(kind, "429").inc()
         raise TooManyRequests(f"the router is serving {state.in_flight} requests, its limit; "

@@ -3,8 +3,9 @@
 Every error a client sees is an :class:`OpenAIError`: ``{"error": {"message", "type",
 "param", "code"}}`` with its HTTP ``status``. The app raises the HTTP-level ones itself
 (:class:`BadRequest` 400 with ``param`` naming the field, :class:`Unauthorized` 401,
-:class:`ModelNotFound` 404, :class:`TooManyRequests` 429); everything placement and the
-workers raise goes through :func:`openai_error`:
+:class:`ModelNotFound` 404, :class:`PayloadTooLarge` 413, :class:`TooManyRequests` 429,
+:class:`HTTPStatus` for routing's 404 / 405); everything placement and the workers raise goes
+through :func:`openai_error`:
 
 ======================================  =====================================================
 raised below the HTTP layer             answered as
@@ -32,6 +33,8 @@ __all__ = [
     "ModelNotFound",
     "TooManyRequests",
     "ServiceUnavailable",
+    "PayloadTooLarge",
+    "HTTPStatus",
     "openai_error",
 ]
 
@@ -76,6 +79,24 @@ class TooManyRequests(OpenAIError):
 
 class ServiceUnavailable(OpenAIError):
     status, type = 503, "service_unavailable"
+
+
+class PayloadTooLarge(OpenAIError):
+    status, type = 413, "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body exceeds this server's limit of {limit} bytes "
+                         "(kvrouter serve --max-body-bytes)", code="request_too_large")
+
+
+class HTTPStatus(OpenAIError):
+    """Any other status the HTTP layer itself answers (an unknown route: 404, a method the
+    route does not take: 405), in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = "invalid_request_error" if status < 500 else "internal_error"
 
 
 def openai_error(exc: BaseException) -> OpenAIError | None:

@@ -15,6 +15,10 @@ and applies stop strings; this module owns placement). For each ``ServeRequest``
    - mode ``auto``: when the would-be decode worker's (``choose_decode``) uncached part is
      shorter than ``auto_threshold`` tokens it prefills locally (``auto-local``), otherwise
      ``auto-remote`` (disaggregated). No prefill worker at all also means local.
+   - the store down (``store_up()`` False, or this request's lookup failed): a request that
+     would go through it (``disaggregated`` or ``auto-remote``) is served where it decodes,
+     ``phase="full"`` on the decode choice, and says so: route ``store-down``. A prefill
+     worker could not hand its KV over; the decode worker would compute the prompt again.
 2. Run (``serve``): one loop over worker phases; :class:`~router.placement.failover.ChoiceRun`
    decides each next phase (the decode worker, a prefill retry, a resume) and keeps the
    books. The worker's chunks are yielded from this generator itself, so a token passes
@@ -63,18 +67,21 @@ log = logging.getLogger(__name__)
 
 StorePrefixFn = Callable[[Sequence[bytes]], int]
 """Leading blocks of these keys the store holds (``kvstore`` client ``prefix_len``)."""
+StoreUpFn = Callable[[], bool | None]
+"""Whether the store is up (``router.workers.store.StoreView.up``; None: not known yet)."""
 
 
 class Orchestrator:
     """See the module docstring. ``store_prefix(keys)`` is blocking (a ``kvstore`` client's
-    ``prefix_len``); it runs on a thread, and a store error counts as "no hit"."""
+    ``prefix_len``); it runs on a thread, and a store error counts as "no hit".
+    ``store_up()`` says whether the store is up; without it the store is taken to be up."""
 
     max_prefill_retries = 1
     max_resumes = 2
 
     def __init__(self, pool: WorkerPool, policy: PrefillPolicy, metrics: RouterMetrics, *,
                  mode: Mode = "disaggregated", auto_threshold: int = 256,
-                 store_prefix: StorePrefixFn | None = None,
+                 store_prefix: StorePrefixFn | None = None, store_up: StoreUpFn | None = None,
                  request_log: RequestLog | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -82,7 +89,7 @@ class Orchestrator:
             raise ValueError(f"auto_threshold must be >= 0, got {auto_threshold}")
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.mode, self.auto_threshold = mode, auto_threshold
-        self.store_prefix = store_prefix
+        self.store_prefix, self.store_up = store_prefix, store_up
         self.request_log = request_log or RequestLog()
         self.failovers = Counter("kvrouter_failovers",
                                  "Prefill retries and decode resumes after a worker failure",
@@ -153,14 +160,15 @@ class Orchestrator:
         return [h for h in handles if h.info.namespace == ref.namespace
                 and h.info.block_size == ref.block_size]
 
-    async def _store_blocks(self, keys: Sequence[BlockKey]) -> int:
+    async def _store_blocks(self, keys: Sequence[BlockKey]) -> int | None:
+        """The store's leading hits; None when the lookup failed (the store is down)."""
         if self.store_prefix is None or not keys:
             return 0
         try:
             return await asyncio.to_thread(self.store_prefix, keys)
         except (KVStoreError, OSError) as exc:
             log.info("store prefix lookup failed (%s); routing as if the store held nothing", exc)
-            return 0
+            return None
 
     async def _plan(self, request: ServeRequest) -> Plan:
         decode = self._candidates(request.model, "decode")
@@ -170,7 +178,9 @@ class Orchestrator:
         info: WorkerInfo = decode[0].info
         keys = request.block_keys(info.namespace, info.block_size)
         needs_store = self.policy.name == "kv-aware" or self.mode == "auto"
-        store_blocks = await self._store_blocks(keys) if needs_store else 0
+        looked_up = await self._store_blocks(keys) if needs_store else 0
+        store_down = looked_up is None or (self.store_up is not None and self.store_up() is False)
+        store_blocks = looked_up or 0
         n, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
         start = time.perf_counter()
 
@@ -191,6 +201,14 @@ class Orchestrator:
                 if prefer_local(est, self.auto_threshold) or not prefill:
                     return self._decided(decode, dec.worker_id, est.uncached_tokens,
                                          Route.AUTO_LOCAL, start)
+        if store_down:
+            dec = choose_decode(decode, n, max_tokens)
+            if dec is None:
+                raise NoCapacity(f"no decode worker's KV cache can hold {n} prompt + "
+                                 f"{max_tokens} output tokens")
+            est = self.policy.estimates([dec.load], keys, n, 0)[0]
+            return self._decided(decode, dec.worker_id, est.uncached_tokens, Route.STORE_DOWN,
+                                 start)
         if not prefill:
             raise NoCapacity(f"no prefill worker serves {request.model!r} now; start one "
                              "(`kvengine serve --role prefill`) or use --mode auto")

@@ -25,6 +25,8 @@ class Route(StrEnum):
     COLOCATED = "colocated"           # --mode colocated: one worker runs phase "full"
     AUTO_LOCAL = "auto-local"         # --mode auto: the decode worker prefills itself ("full")
     AUTO_REMOTE = "auto-remote"       # --mode auto: disaggregated, the prompt was long enough
+    STORE_DOWN = "store-down"         # would be disaggregated, but the store (the handoff) is
+                                      # down: the decode worker prefills itself ("full")
 
     @property
     def first_phase(self) -> Phase:

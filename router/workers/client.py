@@ -11,6 +11,9 @@
   broken stream it resynchronizes from a fresh snapshot (after ``retry_interval`` if the
   worker could not be reached). Runs until cancelled.
 
+Every call carries ``headers`` (the router passes the cluster secret's
+``Authorization: Bearer``, ``kvstore.secret.bearer_headers``: workers refuse callers without it).
+
 Timeouts: connecting and unary calls use ``timeout``; streams use ``stream_read_timeout``
 between lines (None: wait forever, e.g. for the event stream of an idle worker).
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from contextlib import aclosing, contextmanager
 from typing import Any
 
@@ -83,12 +86,13 @@ class WorkerClient:
     """One worker's API over a pooled ``httpx.AsyncClient``. Close with ``aclose``."""
 
     def __init__(self, info: WorkerInfo, *, timeout: float = 5.0,
-                 stream_read_timeout: float | None = 300.0, max_connections: int = 1024) -> None:
+                 stream_read_timeout: float | None = 300.0, max_connections: int = 1024,
+                 headers: Mapping[str, str] | None = None) -> None:
         self.info = info
         self._timeout = timeout
         self._stream_timeout = httpx.Timeout(timeout, read=stream_read_timeout)
         self._http = httpx.AsyncClient(
-            base_url=info.address, timeout=timeout,
+            base_url=info.address, timeout=timeout, headers=dict(headers or {}),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
         )
 

@@ -86,12 +86,13 @@ class WorkerPool:
 
     def __init__(self, source: MembershipSource | None = None, *, index: KvIndex | None = None,
                  rates: RateConfig | None = None, poll_interval: float = 0.25,
-                 client_timeout: float = 5.0) -> None:
+                 client_timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> None:
         self.index = index if index is not None else KvIndex()
         self._source = source
         self._rates = rates or RateConfig()
         self._poll_interval = poll_interval
         self._client_timeout = client_timeout
+        self._headers = dict(headers or {})     # on every worker call: the cluster secret
         self._workers: dict[str, WorkerHandle] = {}
         self._values: dict[str, Mapping[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -241,7 +242,7 @@ class WorkerPool:
                 self._changed.notify_all()
 
     def _add(self, info: WorkerInfo) -> None:
-        client = WorkerClient(info, timeout=self._client_timeout)
+        client = WorkerClient(info, timeout=self._client_timeout, headers=self._headers)
         load = WorkerLoad(info, self._rates)
         self.index.add_worker(info.worker_id)
         task = asyncio.create_task(client.follow_events(self.index, load.observe_load),

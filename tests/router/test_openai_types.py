@@ -75,7 +75,7 @@ def test_chat_request_normalizes_messages() -> None:
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
-        ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
         ({"model": "m", "prompt": "x", "seed": 1.5}, "seed"),
     ],
