@@ -37,6 +37,13 @@ median and 90th-percentile prompts), so that a long prompt is not failed for bei
 Every router request is logged (``--request-log``); the log is cut per part to report store
 hits, KV bytes per request and KV transfer time against TTFT. Writes ``OUT/compare.json``
 (also printed as one line); ``benchmarks.compare_report`` draws the PNGs and the tables.
+
+Failing loudly: a configuration whose ``kvrouter up`` does not start (its port already taken,
+its own "The router is up" line never printed, the launcher exited) is an ``error`` in the
+results and nothing is measured on it; a part whose sweep fails is an ``error`` too. Any
+error makes the exit status 1 (``compare.json`` still written). SIGTERM or SIGINT stop the
+sweep and the cluster running at the time (``benchmarks.lifecycle``), write what was done
+with ``"interrupted"``, and exit 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +59,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from benchmarks import lifecycle
 from benchmarks.load_client import ClientConfig, fetch_model, stream_completion
 from benchmarks.metrics_calc import RequestResult
 from benchmarks.serve_bench import machine_info
@@ -118,9 +125,9 @@ def run_sweep(name: str, url: str, label: str, flags: str, salt: bool, out: Path
                  "--ttft-slo-per-token-ms", f"{slo.get('ttft_per_token_s', 0.0) * 1e3:.6f}",
                  "--ttft-slo-ref-tokens", str(slo.get("ref_prompt_tokens", 0))]
     print(f"[compare] {name} {label}: {' '.join(argv[3:])}", file=sys.stderr, flush=True)
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    proc = lifecycle.run(argv)
     if proc.returncode != 0 or not proc.stdout.strip():
-        return {"error": proc.stderr[-1500:]}
+        return {"error": f"the sweep exited with {proc.returncode}: {proc.stderr[-1500:]}"}
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     rec["argv"] = " ".join(["python"] + argv[1:])
     return rec
@@ -198,16 +205,17 @@ def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
 
 def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list[tuple[str, str, str]],
                slos: dict[str, dict[str, float]], results: dict[str, Any], do_long: bool,
-               quick: bool = False) -> None:
+               quick: bool = False, model: str = "default") -> None:
     cdir = out / name
     cdir.mkdir(parents=True, exist_ok=True)
     reqlog = cdir / "router_requests.jsonl"
-    command = (f"{PY} -m router.cli up --model default --port {port} --request-log {reqlog} "
+    command = (f"{PY} -m router.cli up --model {model} --port {port} --request-log {reqlog} "
                f"--log-dir {cdir / 'logs'} --store-memory 2G {spec['up']}")
-    launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
     res: dict[str, Any] = {"command": command.replace(PY, "python"), "salt_per_request": spec["salt"], "parts": {}}
     results[name] = res
+    launched: Launched | None = None
     try:
+        launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
         launched.wait_ready(300)
         url = f"http://127.0.0.1:{port}"
         variants = [(spec["salt"], "")]
@@ -243,9 +251,21 @@ def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list
         res["up_log"] = [x for x in open(cdir / "up.log").read().splitlines() if "pinned" in x or "ready" in x]
     except (RuntimeError, OSError) as e:
         res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[compare] {name} failed, nothing measured: {res['error']}", file=sys.stderr, flush=True)
     finally:
-        launched.stop()
-        launched.log.close()
+        if launched is not None:
+            launched.stop()
+            launched.log.close()
+
+
+def errors(results: dict[str, Any]) -> list[str]:
+    """Every configuration or part that did not give a measurement, as ``name[/part]: error``."""
+    out = []
+    for name, res in results.items():
+        if "error" in res:
+            out.append(f"{name}: {res['error']}")
+        out += [f"{name}/{part}: {rec['error']}" for part, rec in res.get("parts", {}).items() if "error" in rec]
+    return out
 
 
 def _brief(rec: dict[str, Any], name: str) -> dict[str, Any]:
@@ -266,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated configurations to run, in order (default %(default)s)")
     p.add_argument("--parts", default=None,
                    help="comma-separated (default: mixed,mixed_quiet,trace,multi_turn,long_hit; quick: the plan's)")
+    p.add_argument("--model", default="default",
+                   help="every configuration's checkpoint: 'default' (SmolLM2-135M) or a directory")
     p.add_argument("--port", type=int, default=8390, help="the router port of every configuration (default 8390)")
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
@@ -283,14 +305,24 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {}
     slos: dict[str, dict[str, float]] = {}
     t0 = time.time()
-    for name in args.configs.split(","):
-        run_config(name, CONFIGS[name], args.port, out, plan, slos, results,
-                   do_long="long_hit" in wanted and name == "disagg_store", quick=args.quick)
+    interrupted = None
+    try:
+        for name in args.configs.split(","):
+            run_config(name, CONFIGS[name], args.port, out, plan, slos, results,
+                       do_long="long_hit" in wanted and name == "disagg_store", quick=args.quick,
+                       model=args.model)
+    except lifecycle.Interrupted as stop:   # run_config's finally stopped its cluster
+        interrupted = stop
     record = {"bench": "compare", "quick": args.quick, "machine": machine_info(), "seconds": time.time() - t0,
-              "slos": slos, "configs": results}
+              "slos": slos, "configs": results, "errors": errors(results),
+              **({"interrupted": str(interrupted)} if interrupted else {})}
     (out / "compare.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
+    if interrupted:
+        raise interrupted
+    if record["errors"]:
+        sys.exit("compare: " + "; ".join(e.splitlines()[0] for e in record["errors"]))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(lifecycle.run_main(main))

@@ -65,6 +65,8 @@ from router.workers.kv_index import KvIndex
 from router.placement.prefill import PrefillPolicy
 from router.workers.load import WorkerLoad
 
+from benchmarks import lifecycle
+
 REPO = Path(__file__).resolve().parents[1]
 
 BLOCK = 16
@@ -264,7 +266,7 @@ class DynamoPeer:
                 f"`python3.11 -m venv {Path(python).parents[1]} && {Path(python).parent}/pip install "
                 f"ai-dynamo-runtime` or pass --dynamo-python")
         self.workdir = workdir
-        self.proc = subprocess.Popen([str(python), str(DYNAMO_DRIVER)], stdin=subprocess.PIPE,
+        self.proc = lifecycle.popen([str(python), str(DYNAMO_DRIVER)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(workdir / "dynamo.log", "w"),
                                      text=True)
         hello = self._read()
@@ -488,4 +490,4 @@ def _plot(cells: list[dict], path: Path, peer: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(lifecycle.run_main(main))

@@ -32,11 +32,13 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import lifecycle
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
+    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
                              "--memory", memory], cwd=REPO, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -151,4 +153,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(lifecycle.run_main(main))

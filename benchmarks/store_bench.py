@@ -57,6 +57,8 @@ from kvstore import Client
 from kvstore.keys import BlockKey
 from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
 
+from benchmarks import lifecycle
+
 REPO = Path(__file__).resolve().parents[1]
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -67,7 +69,7 @@ MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-v
 
 
 def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
+    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
                              "--memory", memory, "--log-level", "WARNING"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -128,7 +130,7 @@ class Mooncake:
                 "mooncake-transfer-engine-non-cuda, plus Debian's libibverbs1), or pass "
                 "--mooncake-python PATH")
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = lifecycle.popen(
             [str(python), str(MOONCAKE_DRIVER), "serve", "--memory", str(memory),
              "--log-dir", str(log_dir)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -318,4 +320,4 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(lifecycle.run_main(main))

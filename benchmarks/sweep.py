@@ -5,10 +5,15 @@
         --launch disagg="kvrouter up --mode disaggregated --prefill 1 --decode 1 --port 8001"
 
 A configuration is an endpoint already running (``--config NAME=URL``) or a command the sweep
-starts, waits for (``GET /v1/models`` answers) and stops with SIGTERM after its points
-(``--launch NAME=COMMAND``; the URL is ``http://127.0.0.1:PORT`` with the command's ``--port``,
-8000 if it has none; its output goes to ``OUT/NAME.log``). Configurations run one after
-another, in the order given, so each has the machine to itself.
+starts, waits for and stops with SIGTERM after its points (``--launch NAME=COMMAND``; the URL
+is ``http://127.0.0.1:PORT`` with the command's ``--port``, 8000 if it has none; its output
+goes to ``OUT/NAME.log``). A launched command must be the one answering: its port must be
+free before it starts (else an earlier run's server would be measured), it must still run
+once ``GET /v1/models`` answers, and a ``kvrouter up`` must also have printed its own "The
+router is up at" line. A configuration that does not start is an error (``failed`` in the
+results, exit status 1), never a measurement. SIGTERM or SIGINT stop what the sweep started
+(``benchmarks.lifecycle``). Configurations run one after another, in the order given, so
+each has the machine to itself.
 
 Objectives are fixed before any load: at the start of each configuration, ``--unloaded-samples``
 requests of the workload's typical shape are sent one at a time; the objectives are
@@ -32,9 +37,8 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
+import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -44,6 +48,7 @@ from typing import Any, TextIO
 import aiohttp
 import httpx
 
+from benchmarks import lifecycle
 from benchmarks.metrics_calc import Slo, attainment_at_scales
 from benchmarks.serve_bench import (
     TokenSpace, Unloaded, add_bench_args, build_workload, client_config, fetch_model, fixed_slo, machine_info,
@@ -60,6 +65,20 @@ class Configuration:
     name: str
     url: str | None = None  # an endpoint already running ...
     command: str | None = None  # ... or a command that starts one
+    ready_pattern: str | None = None  # a line its output must show once up (None: see ready_line)
+
+    def ready_line(self) -> str | None:
+        """The regular expression of the line a launched command prints once up: given, or
+        ``kvrouter up``'s own ("The router is up at URL"), else None."""
+        if self.ready_pattern is not None:
+            return self.ready_pattern
+        argv = shlex.split(self.command or "")
+        if "up" in argv and any(a.endswith("kvrouter") or a == "router.cli" for a in argv):
+            return rf"^The router is up at {re.escape(self.endpoint())}\b"
+        return None
+
+    def port(self) -> int:
+        return int(self.endpoint().rsplit(":", 1)[1].split("/")[0])
 
     def endpoint(self) -> str:
         if self.url:
@@ -90,23 +109,39 @@ class _ConfigAction(argparse.Action):
 
 
 class Launched:
-    """A configuration's server process: started in its own session, stopped with SIGTERM."""
+    """A configuration's server process, started in its own session (``lifecycle.popen``) once
+    its port is free, stopped with SIGTERM."""
 
     def __init__(self, config: Configuration, log: TextIO) -> None:
         self.config = config
         self.log = log
-        self.proc = subprocess.Popen(shlex.split(config.command or ""), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        if lifecycle.port_in_use(config.port()):
+            log.close()
+            raise RuntimeError(f"{config.name}: port {config.port()} is already in use before the launch "
+                               "(another server, e.g. an earlier run's cluster left running); not measuring it")
+        self.proc = lifecycle.popen(shlex.split(config.command or ""), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+
+    def _printed_ready(self) -> bool:
+        pattern = self.config.ready_line()
+        if pattern is None:
+            return True
+        try:
+            text = open(self.log.name, errors="replace").read()
+        except OSError:
+            return False
+        return re.search(pattern, text, re.MULTILINE) is not None
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         url = self.config.endpoint() + "/v1/models"
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.config.name}: exited with {self.proc.returncode} (see {self.log.name})")
+                    raise RuntimeError(f"{self.config.name}: exited with {self.proc.returncode} before it was "
+                                       f"ready (see {self.log.name})")
                 try:
-                    if client.get(url).status_code == 200:
+                    if self._printed_ready() and client.get(url).status_code == 200 and self.proc.poll() is None:
                         return
                 except httpx.HTTPError:
                     pass
@@ -114,17 +149,7 @@ class Launched:
         raise RuntimeError(f"{self.config.name}: not ready after {timeout_s:.0f} s (see {self.log.name})")
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)  # the session this sweep started
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        return self.proc.returncode
+        return lifecycle.stop(self.proc, timeout_s)
 
 
 def max_rate_meeting(points: list[dict[str, Any]], target: float = 0.9) -> dict[str, float | None]:
@@ -294,7 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError, OSError, httpx.HTTPError, aiohttp.ClientError) as e:
         sys.exit(f"sweep: {e}")
     print(json.dumps(record))
+    if record["failed"]:
+        sys.exit(f"sweep: configurations that did not run: {', '.join(record['failed'])}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(lifecycle.run_main(main))

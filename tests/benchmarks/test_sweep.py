@@ -32,7 +32,7 @@ def test_endpoint_of_a_launched_configuration():
 
 
 def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_path, capsys):
-    with FakeOpenAI(ttft_s=0.02, tpot_s=0.005) as fake:
+    with FakeOpenAI(ttft_s=0.02, tpot_s=0.005) as fake, pytest.raises(SystemExit, match="broken"):
         sweep.main([
             "--launch", f"broken={sys.executable} -c 'raise SystemExit(3)' --port {free_port()}",
             "--config", f"ok={fake.url}", "--rates", "8", "--point-seconds", "0.5", "--unloaded-samples", "1",
