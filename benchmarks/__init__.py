@@ -20,4 +20,5 @@ flags)::
     .venv/bin/python -m benchmarks.sweep            # rates x configurations, with plots
     .venv/bin/python -m benchmarks.compare          # the four serving configurations, one run
     .venv/bin/python -m benchmarks.compare_report   # tables and a PNG from a compare run
+    .venv/bin/python -m benchmarks.chaos_bench      # a cluster under load while its processes are killed
 """

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Interrupted", "popen", "stop", "run", "guard", "run_main", "port_in_use"]
+__all__ = ["Interrupted", "popen", "stop", "kill_pid", "run", "guard", "run_main", "port_in_use"]
 
 _started: list[subprocess.Popen] = []
 
@@ -76,6 +76,14 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
     if proc in _started:
         _started.remove(proc)
     return proc.returncode
+
+
+def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to one process (not its group), if it is still there."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def run(argv: Sequence[str], timeout: float | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
