@@ -223,7 +223,8 @@ class LLMEngine:
             if len(rows) != len(plan.chunks):
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             reqs = [plan.chunks[i].request for i in rows]
-            sampled = sample(logits, [s.sampling_params for s in reqs], [s.num_tokens for s in reqs])
+            sampled = sample(logits, [s.sampling_params for s in reqs], [s.num_tokens for s in reqs],
+                             reqs, self.model_config.eos_token_ids)
         for req in self.scheduler.postprocess(plan, sampled):
             outputs.append(self._output(req, req.token_ids[-1:]))
         return outputs
@@ -303,7 +304,8 @@ class LLMEngine:
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
         vocab = self.model_config.vocab_size
-        for what, ids in (("prompt_token_ids", prompt), ("output_token_ids", given)):
+        for what, ids in (("prompt_token_ids", prompt), ("output_token_ids", given),
+                          ("sampling.logit_bias", list(params.logit_bias or ()))):
             _check_token_ids(request_id, what, ids, vocab)
         if len(given) >= params.max_tokens:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p; randomness a function of (seed, position).
+"""Batched sampling: penalties, bias, greedy, temperature, min-p, top-k, top-p; randomness a
+function of (seed, position).
 
 :class:`SamplingParams` is the worker API's own validated type (``engine.api.generate``, torch-free
 and shared with the router), re-exported here so there is one definition of its defaults.
@@ -9,10 +10,21 @@ take in the sequence (``len(prompt) + len(outputs so far)``). It does not depend
 the worker, the device, or how the request got there, so a request continued on another worker
 at position ``p`` (given its outputs up front) samples the same token.
 
-Implementation (all sampled rows at once, in a few whole-batch tensor passes; greedy rows
-take the argmax and pay for nothing else):
+Order of application (vLLM V1's, ``vllm/v1/sample/sampler.py``):
 
-1. Filter: each row's top-k and top-p become one *threshold* logit; tokens below it are out.
+0. The processors that change greedy too (``engine.core.logits_processors``): ``min_tokens``,
+   ``logit_bias``, ``repetition_penalty``, then ``frequency_penalty`` / ``presence_penalty``.
+   Greedy rows take the argmax of these logits and pay for nothing else.
+1. Temperature: the sampled rows' logits are scaled by ``1 / temperature``.
+2. ``min_p`` (on the scaled distribution, as vLLM and transformers' ``MinPLogitsWarper``):
+   tokens whose probability is below ``min_p`` times the best token's are out. In weights
+   ``w = exp((x - max) / T)`` (the best weighs 1) that is ``w < min_p``, and since ``w`` grows
+   with ``x`` it too is one threshold logit per row (the smallest logit kept).
+3. Top-k, then top-p over what is left (see below); then the draw.
+
+Implementation (all sampled rows at once, in a few whole-batch tensor passes):
+
+1. Filter: each row's min-p, top-k and top-p become one *threshold* logit; tokens below it are out.
    Top-k's threshold is the k-th largest value (``topk``); top-p's is the smallest logit of the
    nucleus (keep tokens, best first, while the mass before them is below ``top_p``), found
    among the row's best 64 tokens, else its best 512, else by sorting the row (a flat row).
@@ -29,9 +41,14 @@ take the argmax and pay for nothing else):
 
 Requests without a seed get one at admission (:func:`with_seed`), and it is reported back.
 
+The token sampled for a row also depends on its history (prompt and output tokens) when it
+uses penalties or ``min_tokens``; :func:`sample` takes the rows' histories for that, and
+output tokens given up front count as output, so the determinism contract holds for a
+request continued elsewhere.
+
 Log-probabilities are those of the distribution actually sampled from: ``log_softmax`` of the
-*processed* logits (scaled by temperature, with tokens outside top-k/top-p at ``-inf``). Greedy
-rows (temperature 0) report ``log_softmax`` of the raw logits.
+*processed* logits (after step 0, scaled by temperature, with tokens outside min-p/top-k/top-p
+at ``-inf``). Greedy rows (temperature 0) report ``log_softmax`` of the logits after step 0.
 """
 
 from __future__ import annotations
@@ -47,8 +64,11 @@ import torch.nn.functional as F
 import xxhash
 
 from engine.api.generate import SamplingParams, TokenLogprob
+from engine.core import logits_processors
+from engine.core.logits_processors import History, TokenHistory
 
-__all__ = ["SamplingParams", "SamplerOutput", "sample", "with_seed", "row_uniform"]
+__all__ = ["SamplingParams", "SamplerOutput", "History", "TokenHistory", "sample", "with_seed",
+           "row_uniform"]
 
 _MAX_SEED = 2**63 - 1
 _CHUNK = 256          # tokens per first-level CDF chunk
@@ -77,13 +97,18 @@ def row_uniform(seed: int, position: int) -> float:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+    histories: Sequence[TokenHistory] | None = None, eos_token_ids: Sequence[int] = (),
 ) -> SamplerOutput:
-    """Sample one token per row of ``logits`` ``[rows, vocab]`` (float32)."""
+    """Sample one token per row of ``logits`` ``[rows, vocab]`` (float32; never written).
+
+    ``histories`` (one per row: its prompt and output tokens so far) are needed only when a
+    row uses penalties or ``min_tokens``; ``eos_token_ids`` are what ``min_tokens`` holds back
+    (with each row's ``stop_token_ids``) unless the row says ``ignore_eos``."""
     rows, _ = logits.shape
     if len(params) != rows or len(positions) != rows:
         raise ValueError(f"{rows} logit rows but {len(params)} params and {len(positions)} positions")
-    logits = logits.float()
+    logits = logits_processors.apply(logits.float(), params, histories, eos_token_ids)
     dev = logits.device
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
@@ -105,7 +130,8 @@ def sample(
         inv_t = torch.tensor([1.0 / p.temperature for p in chosen], device=dev)[:, None]
         # Unnormalized probabilities: exp((x - max) / T), in place on one new tensor.
         weights = (x - x.amax(dim=-1, keepdim=True)).mul_(inv_t).exp_()
-        out = _filter(x, weights, inv_t, [p.top_k for p in chosen], [p.top_p for p in chosen])
+        out = _filter(x, weights, inv_t, [p.top_k for p in chosen], [p.top_p for p in chosen],
+                      [p.min_p for p in chosen])
         u = torch.tensor([row_uniform(seed, positions[i])
                           for seed, i in zip(seeds, random_rows) if seed is not None],
                          dtype=torch.float64, device=dev)
@@ -121,22 +147,32 @@ def sample(
 
 
 def _filter(x: torch.Tensor, weights: torch.Tensor, inv_t: torch.Tensor, top_k: list[int],
-            top_p: list[float]) -> torch.Tensor | None:
-    """Zero the ``weights`` of tokens outside each row's top-k, then top-p (of what top-k
-    left), by one threshold logit per row; return the mask of tokens out (None: no filter)."""
+            top_p: list[float], min_p: list[float] | None = None) -> torch.Tensor | None:
+    """Zero the ``weights`` of tokens outside each row's min-p and top-k, then top-p (of what
+    those left), by one threshold logit per row; return the mask of tokens out (None: no
+    filter). ``weights`` are ``exp((x - max) * inv_t)``: the best token weighs 1."""
     rows, vocab = x.shape
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     use_k = any(k < vocab for k in ks)
     use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
+    use_min_p = min_p is not None and any(m > 0.0 for m in min_p)
+    if not (use_k or use_p or use_min_p):
         return None
     dev = x.device
     thr = torch.full((rows,), float("-inf"), device=dev)
+    if use_min_p:
+        assert min_p is not None
+        m = torch.tensor(min_p, device=dev)
+        # prob < min_p * max_prob  <=>  weight < min_p; the smallest logit kept is the cut.
+        kept_min = torch.where(weights >= m[:, None], x, float("inf")).amin(-1)
+        thr = torch.where(m > 0.0, kept_min, thr)
     if use_k:
         kmax = max(k for k in ks if k < vocab)
         kth = x.topk(kmax, dim=-1).values.gather(
             1, torch.tensor([[min(k, kmax) - 1] for k in ks], device=dev)).squeeze(1)
-        thr = torch.where(torch.tensor([k < vocab for k in ks], device=dev), kth, thr)
+        thr = torch.where(torch.tensor([k < vocab for k in ks], device=dev),
+                          torch.maximum(kth, thr), thr)
+    if use_k or use_min_p:
         weights.masked_fill_(x < thr[:, None], 0.0)
     if use_p:
         todo = [i for i, p in enumerate(top_p) if p < 1.0]

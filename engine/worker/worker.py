@@ -238,7 +238,9 @@ class EngineWorker:
     def _add(self, request: GenerateRequest, sink: Sink, fut: Future[None]) -> None:
         params = request.sampling
         if request.phase == "prefill":
-            params = dataclasses.replace(params, max_tokens=len(request.output_token_ids) + 1)
+            # One token here; min_tokens still holds the stop ids back if it is not reached.
+            one = len(request.output_token_ids) + 1
+            params = dataclasses.replace(params, max_tokens=one, min_tokens=min(params.min_tokens, one))
         try:
             if request.request_id in self._streams:
                 raise ValueError(f"request {request.request_id!r}: the id is already in use")

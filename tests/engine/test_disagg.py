@@ -118,6 +118,31 @@ def test_prefill_store_decode_equals_colocated_and_transformers(workers, client,
     print(f"prompt {n}: {near_ties} near-tie divergence(s) from transformers")
 
 
+def test_penalties_and_min_tokens_survive_the_handoff_and_a_resume(workers):
+    """Output tokens handed over count as produced: prefill -> decode, and a resume after k
+    tokens, equal the uninterrupted run (the prefill runs one token with min_tokens > 1)."""
+    prefill, decode, colocated = workers
+    prompt = _prompt(7, 40)
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "repetition_penalty": 1.3,
+                "frequency_penalty": 0.6, "presence_penalty": 0.4, "min_tokens": 20,
+                "logit_bias": {"5": 3.0}}
+
+    def body(rid: str, phase: str, out: list[int] = ()) -> dict:
+        return {"request_id": rid, "prompt_token_ids": prompt, "phase": phase,
+                "output_token_ids": list(out), "sampling": sampling}
+
+    whole, _ = generate(colocated.address, body("pen-co", "full"))
+    first, pre = generate(prefill.address, body("pen-pd", "prefill"))
+    dec = body("pen-pd", "decode", first)
+    dec["block_keys"] = pre["block_keys"]
+    rest, _ = generate(decode.address, dec)
+    assert first + rest == whole
+    resumed, _ = generate(colocated.address, body("pen-resume", "full", whole[:9]))
+    assert whole[:9] + resumed == whole
+    plain, _ = generate(colocated.address, greedy("pen-plain", prompt, MAX_TOKENS))
+    assert plain != whole  # the penalties did something
+
+
 def _damage(client, key: BlockKey) -> None:
     value = bytearray(client.get_bytes([key])[0])
     value[-1] ^= 0x5A  # one payload byte: the checksum no longer matches
