@@ -62,11 +62,15 @@ class DaemonFactory:
         self.started: list[DaemonProc] = []
 
     def __call__(self, *extra: str, memory: str = "64M", env: dict[str, str] | None = None,
-                 timeout: float = 20.0) -> DaemonProc:
+                 timeout: float = 20.0, nofile: int | None = None) -> DaemonProc:
+        """``nofile``: run the daemon under that RLIMIT_NOFILE (soft and hard, ``prlimit``)."""
         log_dir = self.base / f"daemon{len(self.started)}"
         args = [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0", "--memory", memory,
                 *extra]
-        full_env = {k: v for k, v in os.environ.items() if k != "KVSTORE_AUTH_TOKEN"}
+        if nofile is not None:
+            args = ["prlimit", f"--nofile={nofile}:{nofile}", "--", *args]
+        full_env = {k: v for k, v in os.environ.items()
+                    if k not in ("KVSTORE_AUTH_TOKEN", "KVCACHE_CLUSTER_SECRET", "KVCACHE_CLUSTER_SECRET_FILE")}
         full_env.update(env or {})
         proc, files = spawn(args, log_dir, full_env)
         d = DaemonProc(proc, log_dir, _files=files)

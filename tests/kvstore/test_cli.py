@@ -51,3 +51,30 @@ def test_serve_rejects_bad_sizes():
 def test_serve_rejects_a_bad_registration_ttl():
     r = kvstore("serve", "--port", "0", "--memory", "8M", "--registration-ttl", "0")
     assert r.returncode == 2 and "--registration-ttl must be positive" in r.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = kvstore("serve", "--port", str(port), "--memory", "8M")
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and "in use" in r.stderr
+
+
+def test_serve_beyond_loopback_needs_a_secret_or_insecure():
+    r = kvstore("serve", "--host", "0.0.0.0", "--port", "0", "--memory", "8M")
+    assert r.returncode == 2 and "without a cluster secret" in r.stderr and "--insecure" in r.stderr
+
+
+def test_stats_takes_the_cluster_secret(start_daemon, tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    d = start_daemon("--cluster-secret-file", str(path))
+    r = kvstore("stats", d.address, "--json", "--cluster-secret-file", str(path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["server"]["node_id"] == d.node_id

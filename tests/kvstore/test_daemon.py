@@ -4,6 +4,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import uuid
 
 import httpx
@@ -158,3 +160,23 @@ def test_serve_registers_in_etcd_and_deregisters_on_sigterm(start_daemon, etcd):
         assert client.get(layout.store_key(cluster, d.node_id)) is None  # revoked, not expired
     finally:
         client.close()
+
+
+def test_a_damaged_ssd_tier_does_not_stop_the_daemon(start_daemon, tmp_path):
+    from tests.kvstore.test_ssd_tier import damage
+
+    ssd = tmp_path / "ssd"
+    d = start_daemon("--ssd-path", str(ssd))
+    assert d.stop() == 0
+    damage(ssd)
+    r = subprocess.run([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
+                        "--memory", "8M", "--ssd-path", str(ssd), "--on-corrupt-ssd", "fail"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    d2 = start_daemon("--ssd-path", str(ssd))
+    assert d2.node_id == d.node_id
+    assert "moved it to" in d2.stderr and ".corrupt-" in d2.stderr
+    with Client(d2.address) as c:
+        assert c.stats()["store"]["ssd_moved_aside"] == 1
+        c.put([BlockKey(os.urandom(16))], [b"fresh"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ssd.corrupt-")]

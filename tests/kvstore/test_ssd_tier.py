@@ -102,3 +102,50 @@ def test_kill_9_mid_write_leaves_every_committed_block_and_nothing_half_written(
         assert tier.get(K(i)) == bytes([i % 251]) * size, i
     assert K(len(tier) + 1) not in tier and tier.corrupt == 0
     tier.close()
+
+
+def test_files_are_the_owners_only(tmp_path):
+    from kvstore.net.server import load_node_id
+
+    path = tmp_path / "ssd"
+    load_node_id(str(path))
+    tier = SsdTier(str(path), capacity_bytes=1 << 20)
+    _put(tier, [1])
+    tier.close()
+    assert path.stat().st_mode & 0o777 == 0o700
+    for name in ("data.mdb", "lock.mdb", "node_id"):
+        assert (path / name).stat().st_mode & 0o777 == 0o600, name
+    loose = tmp_path / "loose"  # made world-readable by an older version: tightened
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    SsdTier(str(loose), capacity_bytes=1 << 20).close()
+    assert loose.stat().st_mode & 0o777 == 0o700
+
+
+def damage(path) -> None:
+    """Overwrite LMDB's two meta pages (the header) with garbage."""
+    with open(os.path.join(path, "data.mdb"), "r+b") as f:
+        f.write(os.urandom(8192))
+
+
+def test_a_damaged_tier_is_moved_aside_or_refused(tmp_path):
+    import lmdb
+    import pytest
+
+    path = tmp_path / "ssd"
+    (tmp_path / "ssd").mkdir()
+    (path / "node_id").write_text("abc\n")
+    tier = SsdTier(str(path), capacity_bytes=1 << 20)
+    _put(tier, [1, 2])
+    tier.close()
+    damage(path)
+    with pytest.raises(lmdb.Error):
+        SsdTier(str(path), capacity_bytes=1 << 20, on_corrupt="fail")
+    tier = SsdTier(str(path), capacity_bytes=1 << 20)
+    assert tier.moved_aside is not None and ".corrupt-" in tier.moved_aside
+    assert len(tier) == 0 and tier.get(K(1)) is None
+    assert (path / "node_id").read_text() == "abc\n"  # the node keeps its identity
+    assert os.path.exists(os.path.join(tier.moved_aside, "data.mdb"))
+    _put(tier, [3])
+    assert tier.get(K(3)) == V(3)
+    tier.close()
