@@ -147,8 +147,13 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
                                                 access_log=False, timeout_graceful_shutdown=5))
         log.info("serving on http://%s:%d (mode %s, policy %s)", host, port, config.mode,
                  config.policy)
-        server.run(sockets=[sock])
-        if not server.started:   # the app's start-up failed (uvicorn logged why) or a signal came first
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as exc:   # uvicorn exits (3) when the app's start-up fails
+            if server.started:
+                raise
+            log.debug("uvicorn exited with %s before it started", exc.code)
+        if not server.started:      # the start-up failed (logged above), or a signal came first
             print("kvrouter: cannot start: the app did not start (its start-up failed; the log "
                   "above says why)", file=sys.stderr)
             return 2

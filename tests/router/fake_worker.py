@@ -42,6 +42,7 @@ class FakeWorker:
         self.token_delay = 0.0
         self.stats: RequestStats | None = None   # the final line's stats (default: below)
         self.in_progress: set[str] = set()
+        self.authorization: list[str | None] = []   # each call's Authorization header
         self._cond = asyncio.Condition()
         self._closing = False
         self._runner: web.AppRunner | None = None
@@ -85,7 +86,8 @@ class FakeWorker:
                 self.events.append(BlockEvent(self.seq, kind, tuple(keys)).to_json())  # type: ignore[arg-type]
             self._cond.notify_all()
 
-    async def _snapshot(self, _req: web.Request) -> web.Response:
+    async def _snapshot(self, req: web.Request) -> web.Response:
+        self.authorization.append(req.headers.get("Authorization"))
         self.snapshots += 1
         return web.json_response(Snapshot(self.seq, tuple(self.blocks), self.load).to_json())  # type: ignore[arg-type]
 
@@ -104,6 +106,7 @@ class FakeWorker:
         return resp
 
     async def _generate(self, req: web.Request) -> web.StreamResponse:
+        self.authorization.append(req.headers.get("Authorization"))
         try:
             gen = GenerateRequest.from_json(await req.json())
         except ValueError as exc:
@@ -141,5 +144,6 @@ class FakeWorker:
         return web.json_response(self.info.to_json())
 
     async def _abort(self, req: web.Request) -> web.Response:
+        self.authorization.append(req.headers.get("Authorization"))
         self.aborted.append((await req.json())["request_id"])
         return web.json_response({"ok": True})

@@ -38,10 +38,11 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 @asynccontextmanager
-async def _router(tokenizer_dir: Path, workers: list[FakeWorker], **cfg) -> AsyncIterator[str]:
-    config = RouterConfig(model_dir=str(tokenizer_dir), mode="colocated", **cfg)
-    pool = WorkerPool(StaticMembership([w.info for w in workers]))
-    app = create_app(config, pool=pool)
+async def _router(tokenizer_dir: Path, workers: list[FakeWorker], *, pool: WorkerPool | None = None,
+                  store=None, request_log=None, **cfg) -> AsyncIterator[str]:
+    config = RouterConfig(model_dir=str(tokenizer_dir), **{"mode": "colocated", **cfg})
+    pool = pool or WorkerPool(StaticMembership([w.info for w in workers]))
+    app = create_app(config, pool=pool, store=store, request_log=request_log)
     port = _port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))

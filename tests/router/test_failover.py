@@ -183,11 +183,32 @@ def test_decode_worker_killed_mid_stream_resumes_on_another(env: Env, oracle) ->
 
 
 @pytest.mark.integration
+def test_store_down_is_reported_and_requests_prefill_where_they_decode(env: Env, oracle) -> None:
+    """/health said "ok" with the store daemon dead, and requests to be disaggregated were
+    still labelled so. Now /health is degraded naming the store, and a request is prefilled
+    where it decodes, logged as route ``store-down``, with transformers' text."""
+    assert env.health()["status"] == "ok"
+    env.cluster.child("store").signal_group(signal.SIGKILL)
+    health = wait_until(lambda: (h := env.health())["dependencies"]["store"]["status"] == "down"
+                        and h, 20, "/health to report the store down")
+    assert health["status"] == "degraded" and health["down"] == ["store"]
+    prompt = env.prompt(40, 17)
+    r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=6,
+                                        temperature=0, extra_body=NO_EOS)
+    assert r.choices[0].text == env.tokenizer.decode(oracle(prompt, 6))
+    rec = record(env.log, r.id)
+    assert rec["mode"] == "store-down" and rec["prefill_worker"] is None
+    # Full phases only (a first one may hit the decode worker killed above, not yet expired).
+    assert {p["phase"] for p in rec["phases"]} == {"full"} and rec["phases"][-1]["ok"]
+    assert rec["decode_workers"][-1] in env.workers("decode")
+
+
+@pytest.mark.integration
 def test_etcd_unreachable_keeps_serving_with_last_membership(env: Env, oracle) -> None:
     env.cluster.child("etcd").signal_group(signal.SIGKILL)
-    health = wait_until(lambda: (h := env.health())["status"] == "degraded" and h, 20,
+    health = wait_until(lambda: "etcd unreachable" in (h := env.health())["membership"] and h, 20,
                         "/health to report etcd unreachable")
-    assert "etcd unreachable" in health["membership"]
+    assert health["status"] == "degraded" and health["dependencies"]["etcd"]["status"] == "down"
     prompt = env.prompt(24, 13)
     r = env.client().completions.create(model=env.model, prompt=prompt, max_tokens=5,
                                         temperature=0, extra_body=NO_EOS)
