@@ -2,7 +2,7 @@
 
 Building blocks, one noun a module::
 
-    http/       openai_types, openai_responses: the OpenAI API (parse + validate bodies,
+    http/       openai_types, openai_responses: the OpenAI API (pydantic request models,
                 responses, SSE); errors: OpenAI errors and the one mapping of failures to
                 statuses; choices: one choice's text; app: the FastAPI app
     placement/  serving: the Serving contract (ServeRequest -> token stream); route: Route,
@@ -10,7 +10,8 @@ Building blocks, one noun a module::
                 orchestrator: plan + the serving loop; failover: one choice's state, retries,
                 resumes; errors: NoCapacity
     workers/    client, pool: the worker HTTP API, the etcd-fed set of live workers; kv_index:
-                which worker holds which block keys; load, fit: the books on each worker
+                which worker holds which block keys; load, fit: the books on each worker;
+                store: the KV store as the router sees it (lookups, probes, up or down)
     text/       detokenizer: token ids -> stable text, stop strings
     cluster/    launcher: ``kvrouter up``
     metrics, config, request_log   Prometheus collectors; RouterConfig; the per-request log
