@@ -7,7 +7,13 @@ Once it accepts connections it prints one readiness line on stdout::
 Lifecycle: SIGTERM (or SIGINT) starts a drain: new ``/generate`` requests get 503 and
 ``/health`` says "draining"; running requests finish (up to ``--drain-timeout``); then the
 worker deregisters from etcd, closes its event streams and exits 0. Start-up problems (no
-checkpoint, unreachable store or etcd) exit 2 with one line naming the problem.
+checkpoint, unreachable store or etcd, an unreadable secret file, a non-loopback ``--host``
+without a cluster secret or ``--insecure``) exit 2 with one line naming the problem.
+
+The cluster secret (``kvstore.secret``: ``--cluster-secret-file``, ``--cluster-secret``,
+``$KVCACHE_CLUSTER_SECRET``, ``$KVCACHE_CLUSTER_SECRET_FILE``, first found wins) guards the
+worker API and is what the store client authenticates with; without one the store client
+reads ``$KVSTORE_AUTH_TOKEN`` as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.worker.config import WorkerConfig, resolve_model_dir
+from kvstore.secret import add_secret_flags, resolve
 
 if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
     import torch
@@ -85,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help=f"seconds running requests get to finish on SIGTERM (default {d.drain_timeout_s:g})")
     s.add_argument("--log-level", default="warning", help="debug, info, warning or error (default warning)")
+    add_secret_flags(s)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The worker's config from its flags (the secret resolved: file > value > environment)."""
     return WorkerConfig(
         model=args.model, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host, worker_id=args.worker_id, store=args.store,
@@ -99,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
         dtype=args.dtype, device=args.device, threads=args.threads, save_all=args.save_all,
         load_interval_s=args.load_interval, drain_timeout_s=args.drain_timeout,
+        cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
+        insecure=args.insecure,
     )
 
 
@@ -110,11 +121,14 @@ def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient]:
     import kvstore
     from kvstore.errors import KVStoreError
 
+    # The resolved secret goes explicitly; None lets the client find its own ($KVSTORE_AUTH_TOKEN).
+    token = cfg.cluster_secret
     try:
         if cfg.store is not None:
-            return kvstore.connect(cfg.store), kvstore.connect(cfg.store)
-        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster),
-                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster))
+            return (kvstore.connect(cfg.store, auth_token=token),
+                    kvstore.connect(cfg.store, auth_token=token))
+        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token),
+                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token))
     except KVStoreError as exc:
         where = cfg.store or f"etcd {cfg.etcd} cluster {cfg.cluster!r}"
         raise _StartupError(f"cannot reach the kvstore at {where}: {exc} "
@@ -162,7 +176,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
         block_size=cfg.block_size, kv_capacity_blocks=cfg.num_blocks,
         max_model_len=engine.max_model_len,
     )
-    app = create_app(worker, info, events, metrics)
+    app = create_app(worker, info, events, metrics, secret=cfg.cluster_secret)
     worker.start()
     try:
         yield worker, app, info

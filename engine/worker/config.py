@@ -8,12 +8,13 @@ directly. The engine's own knobs are passed through as an ``EngineConfig``
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from engine.api.generate import WORKER_ROLES, WorkerRole
 from engine.core.config import EngineConfig
 from engine.api.paths import default_model_dir
+from kvstore.secret import check_bind
 
 __all__ = ["WorkerConfig", "resolve_model_dir"]
 
@@ -40,6 +41,10 @@ class WorkerConfig:
     - ``etcd``: also where the worker registers (``/{cluster}/workers/{worker_id}``).
     - ``port`` 0 binds a free port (the readiness line and ``/info`` say which).
     - ``threads``: torch intra-op threads (None: torch's default).
+    - ``cluster_secret``: what every caller of the worker API but ``/health`` and ``/metrics``
+      must send as ``Authorization: Bearer``, and what the store client authenticates with
+      (None: no authentication, allowed only on a loopback ``host`` unless ``insecure``; the
+      store client then falls back to ``$KVSTORE_AUTH_TOKEN``). Never printed (``repr``).
     """
 
     model: str = "default"
@@ -67,6 +72,8 @@ class WorkerConfig:
     event_capacity: int = 65536
     registration_ttl_s: float = 5.0
     drain_timeout_s: float = 300.0
+    cluster_secret: str | None = field(default=None, repr=False)
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -81,6 +88,7 @@ class WorkerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.engine_config()  # validates the engine's share
+        check_bind(self.host, self.cluster_secret, self.insecure, what="engine worker")
 
     @property
     def saves_all(self) -> bool:

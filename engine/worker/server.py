@@ -11,6 +11,12 @@
 - ``GET /info`` (``WorkerInfo``), ``GET /health`` (200 ok, 503 draining or engine dead),
   ``GET /metrics`` (Prometheus text from the worker's own registry).
 
+Authentication: given the cluster secret (``kvstore.secret``), every path but ``/health`` and
+``/metrics`` requires ``Authorization: Bearer <secret>`` (checked in constant time) and answers
+401 ``{"error"}`` otherwise, before the request reaches a handler (unknown paths too). Without
+a secret nothing is checked: loopback dev mode (``kvengine serve`` refuses to listen beyond
+loopback without one unless ``--insecure``).
+
 The app only translates between HTTP and the ``EngineWorker``; it never touches the engine.
 """
 
@@ -23,6 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.api.generate import (
     ApiValidationError,
@@ -35,11 +42,13 @@ from engine.worker.events import EventStream
 from engine.core.llm_engine import BlockKeyMismatch
 from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from engine.worker.worker import Draining, EngineWorker
+from kvstore.secret import bearer_matches
 
-__all__ = ["create_app"]
+__all__ = ["OPEN_PATHS", "create_app"]
 
 NDJSON = "application/x-ndjson"
 _EVENT_BATCH = 1024
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the cluster secret
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -50,11 +59,36 @@ def _error(status_code: int, message: str, /, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status_code)
 
 
+class _RequireSecret:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <secret>``, but on ``OPEN_PATHS``.
+    Plain ASGI (not ``BaseHTTPMiddleware``), so a stream passes through untouched."""
+
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if bearer_matches(header, self.secret):
+            return await self.app(scope, receive, send)
+        reason = "no Authorization header" if header is None else "wrong credentials"
+        response = JSONResponse(
+            {"error": f"unauthorized ({reason}): this worker requires 'Authorization: Bearer "
+                      "<cluster secret>' on every path but /health and /metrics"},
+            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
-               metrics: WorkerMetrics) -> FastAPI:
+               metrics: WorkerMetrics, *, secret: str | None = None) -> FastAPI:
     """The worker's app. Setting ``app.state.closing`` (an ``asyncio.Event``) ends the
-    event streams when set, so a server shutdown is not held open by subscribers."""
+    event streams when set, so a server shutdown is not held open by subscribers.
+    ``secret``: the cluster secret every caller must present (None: no authentication)."""
     app = FastAPI(title="kvengine worker", docs_url=None, redoc_url=None)
+    if secret:
+        app.add_middleware(_RequireSecret, secret=secret)
     app.state.info = info
     app.state.closing = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from kvstore import secret
 from tests.procs import ServiceProc, spawn
 
 
@@ -38,18 +39,27 @@ class WorkerProc(ServiceProc):
         return super().stop(sig, timeout)
 
 
-def start_worker(model_dir: Path, log_dir: Path, *flags: str, timeout: float = 90.0) -> WorkerProc:
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment a test worker gets: ours, one OpenMP thread, and no cluster secret
+    inherited from the shell (a test that wants one passes it)."""
+    env = {k: v for k, v in os.environ.items() if k not in (secret.ENV, secret.ENV_FILE)}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def start_worker(model_dir: Path, log_dir: Path, *flags: str, timeout: float = 90.0,
+                 env: dict[str, str] | None = None) -> WorkerProc:
     args = [sys.executable, "-m", "engine.worker.cli", "serve", "--model", str(model_dir), "--port", "0",
             "--threads", "1", *flags]
-    proc, files = spawn(args, log_dir, {**os.environ, "OMP_NUM_THREADS": "1"})
+    proc, files = spawn(args, log_dir, worker_env() if env is None else env)
     return WorkerProc(proc, log_dir, _files=files).wait_ready(timeout, interval=0.05)
 
 
-def generate(address: str, body: dict[str, Any], timeout: float = 60.0
-             ) -> tuple[list[int], dict[str, Any]]:
+def generate(address: str, body: dict[str, Any], timeout: float = 60.0,
+             headers: dict[str, str] | None = None) -> tuple[list[int], dict[str, Any]]:
     """POST /generate; (every streamed token id, the final line). Raises on a non-200."""
     tokens: list[int] = []
-    with httpx.stream("POST", f"{address}/generate", json=body, timeout=timeout) as r:
+    with httpx.stream("POST", f"{address}/generate", json=body, timeout=timeout,
+                      headers=headers) as r:
         if r.status_code != 200:
             r.read()
             raise AssertionError(f"/generate answered {r.status_code}: {r.text}")
