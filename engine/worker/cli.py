@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.worker.config import WorkerConfig, resolve_model_dir
-from kvstore.secret import add_secret_flags, resolve
+from kvstore.secret import add_secret_flags, is_loopback, resolve
 
 if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
     import torch
@@ -263,6 +263,9 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWor
 
 def serve(cfg: WorkerConfig, log_level: str = "warning") -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not cfg.cluster_secret and not is_loopback(cfg.host):
+        log.warning("--insecure: serving the worker API on %s without authentication: anyone "
+                    "who reaches the port can generate and abort requests", cfg.host or "*")
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
