@@ -21,7 +21,8 @@ each kill the seconds until full capacity is back:
   saved and loaded; every request has a ``cache_salt`` of its own unless ``--no-salt``, so
   every one computes its prompt and hands it over), and ended;
 - etcd: the replacement answers ``/health``, every current worker and store is registered in
-  it again, and a request that arrived after that ended.
+  it again, and every current worker has served a request phase that arrived after that
+  (the router's view of the whole fleet back; ``not_routed_to`` lists those still missing).
 
 ``back_s`` is null when that did not happen before the run ended (``--settle`` seconds after
 the load stops). Targets: 0 failed, 0 differing outputs, every ``back_s`` <= 15. The cluster
@@ -51,6 +52,7 @@ from benchmarks import lifecycle
 from benchmarks.serve_bench import machine_info
 
 KINDS = ("prefill", "decode", "store", "etcd")
+WORKER_KINDS = ("prefill", "decode", "colocated")
 TARGET_BACK_S = 15.0
 
 
@@ -190,12 +192,14 @@ class Watch:
         self.registered: float | None = None
         self.back: float | None = None
         self.new_id: str | None = None
+        self.pending: set[str] | None = None   # etcd: workers not yet routed to since its return
 
     def report(self, t0: float) -> dict[str, Any]:
         rel = lambda t: None if t is None else round(t - t0, 3)  # noqa: E731
         return {"kind": self.kind, "child": self.child, "at_s": rel(self.at), "old_pid": self.old["pid"],
                 "new_id": self.new_id, "registered_s": rel(self.registered), "back_at_s": rel(self.back),
-                "back_s": None if self.back is None else round(self.back - self.at, 3)}
+                "back_s": None if self.back is None else round(self.back - self.at, 3),
+                **({"not_routed_to": sorted(self.pending)} if self.pending else {})}
 
 
 def _records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -229,14 +233,18 @@ def check(w: Watch, cluster: Cluster, state: dict[str, Any], records: list[dict[
         if r.get("status") != "ok":
             continue
         end = r["arrival_unix"] + r["timeline"]["end"]
-        if w.kind in ("prefill", "decode", "colocated"):
+        if w.kind in WORKER_KINDS:
             served = any(p.get("worker_id") == w.new_id and p.get("ok") for p in r.get("phases", []))
         elif w.kind == "store":
             kv = r.get("kv_bytes") or {}
             served = (r["arrival_unix"] >= w.registered and r.get("mode") == "disaggregated"
                       and kv.get("saved", 0) > 0 and kv.get("loaded", 0) > 0)
-        else:
-            served = r["arrival_unix"] >= w.registered
+        else:   # etcd: every current worker routed to again (the router's view of the fleet back)
+            w.pending = (w.pending if w.pending is not None else
+                         {c["id"] for c in state["children"].values() if c["kind"] in WORKER_KINDS and c["id"]})
+            if r["arrival_unix"] >= w.registered:
+                w.pending -= {p.get("worker_id") for p in r.get("phases", []) if p.get("ok")}
+            served = not w.pending
         if served:
             w.back = end
             return
@@ -274,6 +282,20 @@ async def chaos(cluster: Cluster, args: argparse.Namespace, t0: float, done: asy
 
 # --- the run ---------------------------------------------------------------------------------
 
+def _final_view(cluster: Cluster) -> dict[str, Any]:
+    """At the end: the workers the launcher runs, those registered in etcd, the router's count."""
+    state = cluster.state()
+    view: dict[str, Any] = {"running": sorted(c["id"] for c in state["children"].values()
+                                              if c["kind"] in WORKER_KINDS and c["id"])}
+    try:
+        view["registered"] = sorted(cluster.registered() & set(view["running"]))
+        health = httpx.get(f"{cluster.router}/health", timeout=5, trust_env=False).json()
+        view["router_workers"], view["router_down"] = health.get("workers"), health.get("down")
+    except Exception as e:  # noqa: BLE001 - a report, not a check
+        view["error"] = f"{type(e).__name__}: {e}"
+    return view
+
+
 def _launcher_restarts(url: str | None) -> dict[str, float]:
     if not url:
         return {}
@@ -304,6 +326,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
                 done.set()
         results, watches = await asyncio.gather(load(), chaos(cluster, args, t0, done))
         restarts = _launcher_restarts(cluster.metrics_url)
+        final = _final_view(cluster)
     finally:
         cluster.stop()
     failed = [r for r in results if not r["ok"]]
@@ -321,7 +344,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
         "failed": len(failed), "failed_by_status": dict(Counter(r["status"] for r in failed)),
         "failed_examples": [{k: r[k] for k in ("start", "end", "status", "detail")} for r in failed[:5]],
         "differing_outputs": sum(1 for r in results if r["ok"] and r["differs"]),
-        "kills": kills, "launcher_restarts": restarts,
+        "kills": kills, "launcher_restarts": restarts, "final_view": final,
         "targets": {"no_failed": not failed, "no_differing": not any(r["ok"] and r["differs"] for r in results),
                     f"back_within_{TARGET_BACK_S:g}s": all(b is not None and b <= TARGET_BACK_S for b in backs)},
         "machine": machine_info(), "out": str(out),

@@ -32,6 +32,10 @@ def test_bounded_chaos_run_loses_no_request_and_changes_no_output(tmp_path: Path
     assert rec["differing_outputs"] == 0
     assert [k["child"] for k in rec["kills"]] == ["prefill-0", "decode-0", "store", "etcd"]
     for k in rec["kills"]:
-        assert rec["launcher_restarts"][k["child"]] >= 1, k
-        assert k["back_s"] is not None, k          # reported; the 15 s target is the full run's
+        assert rec["launcher_restarts"][k["child"]] >= 1, k   # the launcher restarted it
+        assert "back_s" in k                                   # reported; the 15 s target is the full run's
+    # A killed worker's or store's return is the launcher's restart: measured within the run.
+    # (etcd's return also needs the router to route to every worker again: reported only, see
+    # docs/benchmarks.md "Chaos".)
+    assert all(k["back_s"] is not None for k in rec["kills"] if k["kind"] != "etcd"), rec["kills"]
     assert (tmp_path / "chaos_timeline.png").stat().st_size > 1000
