@@ -72,8 +72,12 @@ def record(path: str | Path, response_id: str, choice: int = 0, timeout: float =
     return wait_until(find, timeout, f"the request record {rid}")
 
 
-def worker_id(url: str) -> str:
-    return httpx.get(f"{url}/info", timeout=5, trust_env=False).json()["worker_id"]
+def worker_id(url: str, secret: str | None = None) -> str:
+    """The worker's id from its ``/info`` (which needs the cluster secret, when it has one)."""
+    from kvstore.secret import bearer_headers
+
+    return httpx.get(f"{url}/info", timeout=5, trust_env=False,
+                     headers=bearer_headers(secret)).json()["worker_id"]
 
 
 def random_prompt(n: int, seed: int, vocab_size: int) -> list[int]:

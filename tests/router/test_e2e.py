@@ -15,6 +15,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from engine.api.tokenizer import Tokenizer
+from kvstore.secret import bearer_headers
 from router.cluster.launcher import LocalCluster
 from tests.router.cluster_probe import random_prompt, record, scrape, wait_until, worker_id
 
@@ -135,15 +136,18 @@ def test_auto_mode_prefills_short_uncached_parts_locally(env: Env) -> None:
 
 def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None:
     client, url = env.client(), env.routers["disaggregated"]
-    ids = {worker_id(u): u for n, u in env.cluster.worker_urls.items() if n.startswith("prefill")}
+    ids = {worker_id(u, env.cluster.secret): u for n, u in env.cluster.worker_urls.items()
+           if n.startswith("prefill")}
     prefix = env.prompt(160, 300)                       # 10 full blocks
     first = client.completions.create(model=env.model, prompt=prefix + [5, 6, 7], max_tokens=2,
                                       extra_body=NO_EOS)
     holder = record(env.log, first.id)["prefill_worker"]
     other = next(w for w in ids if w != holder)
     # The holder has published its blocks (the router follows the same event stream).
-    wait_until(lambda: len(httpx.get(f"{ids[holder]}/snapshot", trust_env=False).json()["blocks"])
-               >= 10, what="the holder's stored blocks")
+    auth = bearer_headers(env.cluster.secret)           # the worker API needs the secret
+    wait_until(lambda: len(httpx.get(f"{ids[holder]}/snapshot", trust_env=False,
+                                     headers=auth).json()["blocks"]) >= 10,
+               what="the holder's stored blocks")
     before = scrape(url)
     for i in range(3):
         r = client.completions.create(model=env.model, prompt=prefix + [10 + i, 20 + i, 30 + i, 40 + i],

@@ -80,7 +80,7 @@ def env(cluster_factory, tiny_model_dir: Path) -> Env:
     cluster = cluster_factory(prefill=2, decode=2, mode="disaggregated", etcd=None)
     url = cluster.router_url
     model = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
-    names = {worker_id(u): name for name, u in cluster.worker_urls.items()}
+    names = {worker_id(u, cluster.secret): name for name, u in cluster.worker_urls.items()}
     return Env(cluster, url, model, Path(cluster.spec.request_log),
                Tokenizer.from_dir(tiny_model_dir), names)
 
