@@ -89,7 +89,7 @@ def _pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 4)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.store_conn_bench",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--connections", type=int, default=10_000,
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the block contents (default 0)")
     p.add_argument("--phase-timeout", type=float, default=40.0, metavar="SECONDS",
                    help="deadline of each phase (default 40)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import numpy as np
 

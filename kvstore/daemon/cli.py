@@ -161,10 +161,15 @@ def _listen_error(what: str, host: str, port: int, e: OSError) -> OSError:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """The cluster secret from the flags, then the environment (``kvstore.secret``); the
-    deprecated ``--auth-token``/``$KVSTORE_AUTH_TOKEN`` count as a value flag / last."""
-    return (secret.resolve(args.cluster_secret or args.auth_token, args.cluster_secret_file)
-            or os.environ.get("KVSTORE_AUTH_TOKEN") or None)
+    """The cluster secret from the flags, then the environment (``kvstore.secret``), then the
+    deprecated ``--auth-token`` and ``$KVSTORE_AUTH_TOKEN``."""
+    token = secret.resolve(args.cluster_secret, args.cluster_secret_file)
+    if token is None:
+        token = args.auth_token or os.environ.get("KVSTORE_AUTH_TOKEN") or None
+        if token is not None:
+            log.warning("--auth-token and $KVSTORE_AUTH_TOKEN are deprecated: use "
+                        "--cluster-secret-file PATH or $%s", secret.ENV)
+    return token
 
 
 def _reserve_cap(text: str) -> tuple[int, float]:

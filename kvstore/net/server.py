@@ -40,11 +40,11 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from kvstore.net import protocol as P
 from kvstore.net.limits import ServerLimits
-from kvstore.net.session import Close, FrameTimeout, Session
+from kvstore.net.session import Close, DropReason, FrameTimeout, ServerMetrics, Session
 from kvstore.node.store import BlockStore
 
 __all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "load_node_id", "raise_nofile_limit"]
@@ -93,30 +93,6 @@ def raise_nofile_limit(want: int) -> int:
         except (ValueError, OSError):
             pass
     return soft
-
-
-Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
-DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
-DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout"]
-
-
-class ServerMetrics(Protocol):
-    """What the server reports to, as it serves (``kvstore.daemon.metrics.StoreMetrics``)."""
-
-    def observe(self, op: str, seconds: float) -> None:
-        """One request of ``op`` (a protocol op's name, lower case) took ``seconds``."""
-
-    def transferred(self, direction: Direction, path: DataPath, nbytes: int) -> None:
-        """``nbytes`` of values moved."""
-
-    def error(self, code: str) -> None:
-        """One error answer of ``code`` (an error code's name, lower case)."""
-
-    def dropped(self, reason: DropReason) -> None:
-        """The daemon closed (or refused) one connection for ``reason``."""
-
-    def accept_error(self) -> None:
-        """``accept`` failed for want of file descriptors (EMFILE, ENFILE)."""
 
 
 class StoreServer:

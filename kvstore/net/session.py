@@ -31,26 +31,60 @@ import logging
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, Callable, Literal, NoReturn
+from typing import Any, Callable, Literal, NoReturn, Protocol
 
 import numpy as np
 
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
+from kvstore.net.limits import ServerLimits
+from kvstore.node.store import BlockStore
 
-if TYPE_CHECKING:
-    from kvstore.net.server import StoreServer
-
-__all__ = ["Session", "Close", "FrameTimeout"]
+__all__ = ["Session", "SessionHost", "ServerMetrics", "Close", "FrameTimeout", "Direction",
+           "DataPath", "DropReason"]
 
 log = logging.getLogger("kvstore.net.server")
 
 _SCRATCH = 1 << 20
 _BURST = 64  # frames served in one step before the session yields its thread
 
-Direction = Literal["in", "out"]
-DataPath = Literal["tcp", "shm"]
+Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
+DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
+DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout"]
+
+
+class ServerMetrics(Protocol):
+    """What the server reports to, as it serves (``kvstore.daemon.metrics.StoreMetrics``)."""
+
+    def observe(self, op: str, seconds: float) -> None:
+        """One request of ``op`` (a protocol op's name, lower case) took ``seconds``."""
+
+    def transferred(self, direction: Direction, path: DataPath, nbytes: int) -> None:
+        """``nbytes`` of values moved."""
+
+    def error(self, code: str) -> None:
+        """One error answer of ``code`` (an error code's name, lower case)."""
+
+    def dropped(self, reason: DropReason) -> None:
+        """The daemon closed (or refused) one connection for ``reason``."""
+
+    def accept_error(self) -> None:
+        """``accept`` failed for want of file descriptors (EMFILE, ENFILE)."""
+
+
+class SessionHost(Protocol):
+    """What a session needs of its server (``kvstore.net.server.StoreServer``)."""
+
+    store: BlockStore
+    limits: ServerLimits
+    max_reserve: int  # bytes one connection may hold reserved (HELLO's max_data)
+    token: bytes | None
+    metrics: ServerMetrics | None
+    node_id: str
+    host_id: str
+
+    def server_stats(self) -> dict[str, Any]: ...
 
 
 class Close(Exception):
@@ -76,7 +110,7 @@ class Session:
                  "_pre_got", "_scratch", "_deadline", "_rcvtimeo", "reserved",
                  "reserved_bytes", "pins", "__weakref__")
 
-    def __init__(self, server: "StoreServer", sock: socket.socket, peer: object, now: float) -> None:
+    def __init__(self, server: SessionHost, sock: socket.socket, peer: object, now: float) -> None:
         self.server = server
         self.store = server.store
         self.sock = sock
