@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "router_bench.py"), "--quick", "--out", str(tmp_path),
+        [sys.executable, "-m", "benchmarks.router_bench", "--quick", "--out", str(tmp_path),
          "--sizes", "200", "600", "--prompts", "256", "512", "--queries", "20", "--rounds", "2"],
-        capture_output=True, text=True, timeout=120, check=True)
+        capture_output=True, text=True, timeout=120, check=True, cwd=REPO)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
     res = json.loads(lines[0])

@@ -1,4 +1,4 @@
-"""benchmarks/store_bench.py as a user runs it: a tiny run, and --peer mooncake's clear failure."""
+"""``python -m benchmarks.store_bench`` as a user runs it (from the repository root): a tiny run, and --peer mooncake's clear failure."""
 
 import json
 import subprocess
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks" / "store_bench.py"
+BENCH = ["-m", "benchmarks.store_bench"]
 
 pytestmark = pytest.mark.integration
 
 
 def test_one_json_line_with_ratios_and_a_plot(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--iters", "1", "--memory", "256M",
+    r = subprocess.run([sys.executable, *BENCH, "--quick", "--iters", "1", "--memory", "256M",
                         "--max-batch-bytes", str(4 << 20), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     (line,) = r.stdout.strip().splitlines()
     result = json.loads(line)
@@ -29,8 +29,8 @@ def test_one_json_line_with_ratios_and_a_plot(tmp_path):
 
 
 def test_peer_mooncake_without_its_environment_says_what_to_do(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--peer", "mooncake",
+    r = subprocess.run([sys.executable, *BENCH, "--quick", "--peer", "mooncake",
                         "--mooncake-python", str(tmp_path / "missing" / "python"),
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode != 0 and r.stdout == ""
     assert "setup_mooncake.sh" in r.stderr and "--mooncake-python" in r.stderr
