@@ -18,6 +18,14 @@ tokens scaled by ``pivot_tokens``). So samples at one size fix only the line's h
 there: samples far below ``pivot_tokens`` tokens move the overhead and keep the prior rate,
 samples far above it move the rate and keep the prior overhead, and samples that spread
 over sizes fit both. The fit is clamped to overhead >= 0 and a rate in [1, 1e9] tokens/s.
+
+Stalls: once a fit has ``TRUSTED_SAMPLES`` samples, a sample counts for at most
+``MAX_JUMP`` times what the fit predicts for its size. A worker's fit changes only when it
+finishes a request, and it is sent requests only while its estimate is competitive, so one
+stalled sample (a page-fault storm, a noisy neighbour: a 40-token prefill that took 0.6 s
+instead of 0.02 s in a chaos run) must not lift its line so far that it is never chosen again
+and never measured again; a worker that really slowed down still gets there, its fit rising by
+up to ``fit_alpha x (MAX_JUMP - 1)`` of itself per sample.
 The rates a worker reports in its load events are per-step figures that overhead can only
 make look slower: one above the configured prior raises the prior rate (a worker known to
 be fast before this router sent it anything), never lowers it.
@@ -85,6 +93,8 @@ class Ewma:
         self.samples += 1
 
 
+TRUSTED_SAMPLES = 8       # samples before a stalled one is capped
+MAX_JUMP = 3.0            # a sample counts for at most this many times the prediction
 _MIN_PER_TOKEN_S = 1e-9   # 1e9 tokens/s
 _MAX_PER_TOKEN_S = 1.0    # 1 token/s
 
@@ -96,7 +106,8 @@ class LinearCost:
     ``sum w_i (t_i - a - b n_i)^2 + k ((a - a0)^2 + (N (b - b0))^2)`` where ``w_i`` decays by
     ``1 - alpha`` per newer sample, ``k`` is ``prior_weight`` and ``N`` ``pivot_tokens``.
     The fit is refreshed on every sample (a 2x2 solve), so reading it costs two attribute
-    loads. Clamped to ``overhead_s >= 0`` and ``per_token_s`` in [1e-9, 1] s.
+    loads. Clamped to ``overhead_s >= 0`` and ``per_token_s`` in [1e-9, 1] s; a sample past
+    ``MAX_JUMP`` x the prediction is capped there once ``TRUSTED_SAMPLES`` were seen.
     """
 
     __slots__ = ("overhead_s", "per_token_s", "samples", "prior_overhead_s", "prior_per_token_s",
@@ -135,6 +146,8 @@ class LinearCost:
         """Add a measurement; one without tokens or time ("not measured") is ignored."""
         if not (tokens > 0 and seconds > 0.0 and math.isfinite(seconds) and math.isfinite(tokens)):
             return
+        if self.samples >= TRUSTED_SAMPLES:   # a stall teaches at most MAX_JUMP x the prediction
+            seconds = min(seconds, MAX_JUMP * self.seconds(tokens))
         keep = self._keep
         self._s0 = self._s0 * keep + 1.0
         self._sn = self._sn * keep + tokens

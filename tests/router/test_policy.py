@@ -200,6 +200,30 @@ def test_estimate_follows_a_change_in_queue() -> None:
     assert queue_s() == 0.0 and w.pending_prefills == 0 and w.pending_prefill_tokens == 0
 
 
+def test_one_stalled_prefill_does_not_starve_a_worker() -> None:
+    # Seen in the chaos run: two equal prefill workers at 4 requests in flight; one 40-token
+    # prefill took 0.6 s instead of ~0.02 s (a stall), its worker's line rose above the other's
+    # estimate even with a request queued there, it was never chosen again, and so never
+    # measured again. A stall is capped at MAX_JUMP x the prediction.
+    a, b = _worker("a"), _worker("b")
+    for _ in range(50):
+        for w in (a, b):
+            w.observe_stats(_prefill(40, 0.02))
+    a.observe_stats(_prefill(40, 0.6))
+    policy = PrefillPolicy("kv-aware", _index_with({"a": 0, "b": 0}))
+    prompt = PROMPT[:40]
+    keys = block_keys(NS, prompt, BS)
+    booked = b.assign(prefill_tokens=40)                 # b is busy with one prefill
+    chosen = policy.choose([a, b], keys, len(prompt))
+    assert chosen is not None and chosen[0] is a
+    booked.release()
+    assert a.prefill_cost.seconds(40) < 1.5 * 0.02
+    # A worker that really slowed down (10x) is still followed, stall cap or not.
+    for _ in range(60):
+        a.observe_stats(_prefill(40, 0.2))
+    assert a.prefill_cost.seconds(40) == pytest.approx(0.2, rel=0.05)
+
+
 # --- (3) the trade-off between a cached prefix and a queue -----------------------------------
 
 def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix() -> None:
