@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
@@ -37,17 +36,16 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.tokenizer import ChatTemplateError, Tokenizer
 from router.config import RouterConfig
+from router.http.bodies import body_schema, document_bodies, read_json_body
 from router.http.choices import ChoiceDelta, ChoiceResult, collect_choice, run_choice
 from router.http.errors import (BadRequest, HTTPStatus, ModelNotFound, OpenAIError,
-                                PayloadTooLarge, ServiceUnavailable, TooManyRequests,
+                                ServiceUnavailable, TooManyRequests,
                                 Unauthorized, openai_error)
 from router.http.openai_responses import SSE_DONE, ResponseFormatter, ResponseKind, sse, usage_json
 from router.http.openai_types import (ChatBody, ChatRequest, CompletionBody, CompletionRequest,
@@ -128,7 +126,7 @@ def create_app(
 
     app = FastAPI(title="kvrouter", lifespan=lifespan)
     app.state.router = state
-    _document_bodies(app)
+    document_bodies(app)
 
     async def _error(_req: Request, exc: Exception) -> JSONResponse:
         err = openai_error(exc)
@@ -185,9 +183,9 @@ def create_app(
                 sum(1 for w in state.pool.workers() if w.info.role == role))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionBody))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.parse(await _json_body(request, config.max_body_bytes))
+        req = CompletionRequest.parse(await read_json_body(request, config.max_body_bytes))
         model, info = _resolve_model(state, req.options.model)
         prompts = [list(p) if isinstance(p, tuple) else state.tokenizer.encode(p) for p in req.prompts]
         vocab = state.tokenizer.vocab_size
@@ -196,9 +194,9 @@ def create_app(
                              param="prompt")
         return await _serve(state, request, "completion", model, info, prompts, req.options)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatBody))
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
     async def chat(request: Request) -> Response:
-        req = ChatRequest.parse(await _json_body(request, config.max_body_bytes))
+        req = ChatRequest.parse(await read_json_body(request, config.max_body_bytes))
         model, info = _resolve_model(state, req.options.model)
         try:
             ids = state.tokenizer.encode_chat(list(req.messages), req.add_generation_prompt,
@@ -217,26 +215,6 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Served without the API key (load balancers and scrapers); everything else needs it."""
 
 
-async def _json_body(request: Request, limit: int) -> Any:
-    """The body as JSON: 413 past ``limit`` bytes (the declared length refused before a byte
-    is read, a chunked body as soon as it passes), 400 when it is not JSON or nests deeper
-    than the parser goes (a ``RecursionError``, not a crash)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(limit)
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise BadRequest("the request body nests too deeply to be parsed") from None
-    except ValueError as exc:   # JSONDecodeError, and bytes that are not UTF-8
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
-
 def _http_message(exc: StarletteHTTPException) -> str:
     if exc.status_code == 404:
         return "no such route; this server serves /v1/completions, /v1/chat/completions, " \
@@ -244,31 +222,6 @@ def _http_message(exc: StarletteHTTPException) -> str:
     if exc.status_code == 405:
         return f"method not allowed here (allowed: {(exc.headers or {}).get('allow', '?')})"
     return str(exc.detail)
-
-
-def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for an endpoint that reads its body itself: the model's schema, its
-    nested models referenced under components (merged in by :func:`_document_bodies`)."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    _schemas.update(schema.pop("$defs", {}))
-    _schemas[model.__name__] = schema
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-_schemas: dict[str, Any] = {}
-
-
-def _document_bodies(app: FastAPI) -> None:
-    """``/openapi.json`` (and so ``/docs``) with the request models of :func:`_body_schema`."""
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(_schemas)
-            app.openapi_schema = doc
-        return app.openapi_schema
-
-    app.openapi = openapi
 
 
 def _health(state: AppState) -> dict[str, Any]:

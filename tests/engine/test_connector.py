@@ -281,9 +281,9 @@ def test_the_load_pool_is_bounded(keys):
 
 
 def test_staging_pool_keeps_at_most_keep_per_size_buffers():
-    from engine.kv.connector import _StagingPool
+    from engine.kv.staging import StagingPool
 
-    pool = _StagingPool((8,), torch.uint8, pin=False, keep_per_size=2)
+    pool = StagingPool((8,), torch.uint8, pin=False, keep_per_size=2)
     bufs = [pool.take(3) for _ in range(3)]  # capacity 4 each
     assert pool.allocations == 3 and all(b.shape == (4, 8) for b in bufs)
     for b in bufs:
