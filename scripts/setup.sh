@@ -42,6 +42,13 @@ if ! command -v etcd >/dev/null 2>&1; then
     ($SUDO systemctl disable --now etcd 2>/dev/null || $SUDO service etcd stop 2>/dev/null || true) >/dev/null
 fi
 
+# The multi-host tests' hosts are network namespaces made with ip (router/cluster/hosts.py).
+if ! command -v ip >/dev/null 2>&1; then
+    echo "[setup] installing iproute2 from Debian's packages (the hosts harness)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
+fi
+
 if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then
     .venv/bin/python -m engine.model.convert --default
 fi

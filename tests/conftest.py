@@ -5,6 +5,7 @@
   themselves by using a unique key prefix, e.g. ``unique_prefix``).
 - ``etcd_server``: a factory of private etcd servers (``EtcdServer``) that a test may stop
   and restart; each is stopped at the end of the test.
+- ``hosts``: a factory of N hosts in network namespaces (``hosts(n)``, tests/hosts_fixture.py).
 
 etcd runs with a 50 ms heartbeat and a 500 ms election timeout, so its minimum lease TTL is
 1 s (the default would round a 1 s TTL up to 2 s) and tests of expiry stay short.
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.hosts_fixture import hosts  # noqa: F401  (the fixture: N hosts in namespaces)
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from engine.worker.config import WorkerConfig, resolve_model_dir
+from kvstore.net.address import advertised_host, join_host_port
 from kvstore.secret import add_secret_flags, is_loopback, resolve
 
 if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
@@ -59,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory, or 'default' for the converted SmolLM2-135M-Instruct")
     s.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
     s.add_argument("--port", type=int, default=d.port, help=f"0 binds a free port (default {d.port})")
-    s.add_argument("--advertise-host", default=None, help="host others reach this worker at")
+    s.add_argument("--advertise-address", "--advertise-host", dest="advertise_host", default=None,
+                   metavar="ADDR", help="the address other hosts reach this worker at (its etcd "
+                   "registration and /info); default: --host, or this host's primary "
+                   "non-loopback address when --host is a wildcard")
     s.add_argument("--worker-id", default=None, help="its name in etcd and in events (default: ROLE-<random>)")
     s.add_argument("--store", default=None, help="a kvstore node host:port")
     s.add_argument("--etcd", default=None,
@@ -171,7 +175,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
     host, port = sock.getsockname()[:2]
     info = WorkerInfo(
         worker_id=cfg.resolved_worker_id(),
-        address=f"http://{cfg.advertise_host or host}:{port}",
+        address=f"http://{join_host_port(advertised_host(host, cfg.advertise_host), port)}",
         role=cfg.role, model=model_dir.name, namespace=engine.namespace,
         block_size=cfg.block_size, kv_capacity_blocks=cfg.num_blocks,
         max_model_len=engine.max_model_len,

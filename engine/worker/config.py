@@ -40,6 +40,9 @@ class WorkerConfig:
       nodes registered there. Neither: no store (device prefix cache only).
     - ``etcd``: also where the worker registers (``/{cluster}/workers/{worker_id}``).
     - ``port`` 0 binds a free port (the readiness line and ``/info`` say which).
+    - ``advertise_host`` (``--advertise-address``): the address registered in etcd; by
+      default ``host``, or the host's primary address when ``host`` is a wildcard
+      (``kvstore.net.address``).
     - ``threads``: torch intra-op threads (None: torch's default).
     - ``cluster_secret``: what every caller of the worker API but ``/health`` and ``/metrics``
       must send as ``Authorization: Bearer``, and what the store client authenticates with

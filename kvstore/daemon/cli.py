@@ -4,6 +4,9 @@
 
     kvstore ready address=127.0.0.1:7700 node_id=<hex> arena=<shm name> metrics=<host:port|->
 
+``address`` is the bound address, or, bound to a wildcard (``--host 0.0.0.0``), the advertised
+one (``--advertise-address``, else this host's primary address: ``kvstore.net.address``).
+
 It refuses to start (one line, non-zero exit) on a port in use, and on a non-loopback
 ``--host`` without a cluster secret unless ``--insecure`` (``kvstore.secret``).
 
@@ -20,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import secret
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
+from kvstore.net.address import advertised_host, is_wildcard, join_host_port
 from kvstore.net.limits import ServerLimits
 
 if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick
@@ -107,19 +110,28 @@ class Daemon:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def advertised_address(self) -> str:
+        """What etcd gets: ``--advertise`` (host:port) as given, else the bound port at
+        ``--advertise-address``, or at the host's primary address when bound to a wildcard
+        (``kvstore.net.address``)."""
         if self.config.advertise:
             return self.config.advertise
         host, port = self._bound()
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return join_host_port(advertised_host(host, self.config.advertise_address), port)
+
+    def _reported_address(self) -> str:
+        """The ready line's address: the bound one, or the advertised one when bound to a
+        wildcard (where the bound one reaches nothing)."""
+        host, port = self._bound()
+        if is_wildcard(host):
+            return join_host_port(advertised_host(host, self.config.advertise_address), port)
+        return self.address
 
     def ready_line(self) -> str:
         """The line ``kvstore serve`` prints once the node accepts connections (module docstring)."""
         assert self.store is not None and self.metrics is not None, "start() first"
         c = self.config
         metrics = f"{c.host}:{self.metrics.port}" if self.metrics.port else "-"
-        return (f"kvstore ready address={self.address} node_id={self.node_id} "
+        return (f"kvstore ready address={self._reported_address()} node_id={self.node_id} "
                 f"arena={self.store.arena.name} memory={format_size(c.memory_bytes)} "
                 f"metrics={metrics}")
 
@@ -193,6 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
         auth_token=_token(args), insecure=args.insecure, limits=limits,
         on_corrupt_ssd=args.on_corrupt_ssd,
         metrics_port=args.metrics_port, advertise=args.advertise,
+        advertise_address=args.advertise_address,
         registration_ttl=args.registration_ttl,
     )
     stop = threading.Event()
@@ -319,7 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a damaged --ssd-path at start: move it aside and start empty, keeping the "
                         "node id (default), or fail to start")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    s.add_argument("--advertise", help="host:port registered in etcd (default: the bound address)")
+    s.add_argument("--advertise-address", metavar="ADDR",
+                   help="the address other hosts reach this node at: registered in etcd (with the "
+                        "bound port) and printed in the ready line; default: --host, or this "
+                        "host's primary non-loopback address when --host is a wildcard")
+    s.add_argument("--advertise", metavar="HOST:PORT",
+                   help="host:port registered in etcd as given (e.g. behind NAT; default: "
+                        "--advertise-address with the bound port)")
     s.add_argument("--registration-ttl", type=float, metavar="SECONDS",
                    default=ServerConfig.registration_ttl,
                    help="etcd lease TTL: a dead node leaves etcd within it (whole seconds, "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvstore.coord.registration import DEFAULT_TTL
 from typing import TYPE_CHECKING
 
+from kvstore.net.address import is_wildcard
 from kvstore.net.limits import ServerLimits
 from kvstore.secret import check_bind
 
@@ -47,9 +48,10 @@ def format_size(n: int) -> str:
 class ServerConfig:
     """Everything ``kvstore serve`` takes.
 
-    ``port`` 0 binds an ephemeral port (the readiness line reports it). ``advertise`` is the
-    address registered in etcd; by default ``host:port``, or this machine's hostname when
-    bound to a wildcard address. ``auth_token`` is the cluster secret (``kvstore.secret``);
+    ``port`` 0 binds an ephemeral port (the readiness line reports it). ``advertise_address`` is the
+    address other hosts reach the node at (registered in etcd with the bound port; by
+    default ``host``, or the host's primary address when ``host`` is a wildcard:
+    ``kvstore.net.address``); ``advertise`` a whole ``host:port`` registered as given. ``auth_token`` is the cluster secret (``kvstore.secret``);
     without one only a loopback ``host`` is served, unless ``insecure``. ``limits`` are what
     one daemon allows its clients (``ServerLimits``: connections, timeouts, the
     per-connection reservation cap, serving threads). ``on_corrupt_ssd``: what a damaged
@@ -70,6 +72,7 @@ class ServerConfig:
     auth_token: str | None = None
     metrics_port: int | None = None
     advertise: str | None = None
+    advertise_address: str | None = None
     registration_ttl: float = DEFAULT_TTL
     insecure: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -95,4 +98,9 @@ class ServerConfig:
             raise ValueError("drain_timeout must not be negative")
         if self.on_corrupt_ssd not in ("move-aside", "fail"):
             raise ValueError(f"--on-corrupt-ssd must be move-aside or fail, got {self.on_corrupt_ssd!r}")
+        if self.advertise and self.advertise_address:
+            raise ValueError("give --advertise (host:port) or --advertise-address, not both")
+        if self.advertise_address is not None and is_wildcard(self.advertise_address):
+            raise ValueError(f"--advertise-address must be an address others reach, got "
+                             f"{self.advertise_address!r}")
         check_bind(self.host, self.auth_token, self.insecure, what="store daemon")
