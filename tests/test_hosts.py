@@ -30,7 +30,7 @@ CLIENT = ("import sys\n"
           "with Client(sys.argv[1], auth_token=sys.argv[2], timeout=5) as c:\n"
           "    c.put([key], [sys.argv[3].encode() * 4096])\n"
           "    assert c.get_bytes([key]) == [sys.argv[3].encode() * 4096]\n"
-          "    print(c.transport)\n")
+          "    print(c.transport, c.map_attempts)\n")
 _SECRET_ENV = ("KVSTORE_AUTH_TOKEN", "KVCACHE_CLUSTER_SECRET", "KVCACHE_CLUSTER_SECRET_FILE")
 
 
@@ -119,8 +119,10 @@ def test_a_store_daemon_serves_another_host_over_tcp_and_its_own_over_shm(hosts,
     # Bound to a wildcard, it reports the address other hosts reach it at.
     assert ready.startswith(f"kvstore ready address={a.address}:7700 "), ready
     address = f"{a.address}:7700"
-    assert _ok(b.run([sys.executable, "-c", CLIENT, address, secret, "b"], env=env)) == "tcp"
-    assert _ok(a.run([sys.executable, "-c", CLIENT, address, secret, "a"], env=env)) == "shm"
+    # Across hosts no mapping is even attempted (a failed one silently falling back to TCP
+    # would not pass); on the daemon's own host the one attempt maps the arena.
+    assert _ok(b.run([sys.executable, "-c", CLIENT, address, secret, "b"], env=env)) == "tcp 0"
+    assert _ok(a.run([sys.executable, "-c", CLIENT, address, secret, "a"], env=env)) == "shm 1"
 
 
 def test_a_killed_harness_leaves_no_process_and_the_next_one_sweeps_its_namespaces(hosts):

@@ -128,6 +128,13 @@ class Client:
         """... and read from them."""
         return self._traffic.received
 
+    @property
+    def map_attempts(self) -> int:
+        """How often this client tried to map a daemon's shared-memory arena: only when the
+        daemon's HELLO said it runs on this host (a failed mapping falls back to TCP, so a
+        test that no mapping crosses hosts reads this, not ``transport``)."""
+        return self._traffic.map_attempts
+
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
         """Store ``values[i]`` under ``keys[i]``. Present keys are a successful no-op.
         Raises ``StoreFull`` if the batch cannot fit (nothing of that batch is stored)."""

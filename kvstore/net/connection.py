@@ -35,10 +35,12 @@ def parse_address(address: str) -> tuple[str, int]:
 
 @dataclass
 class Traffic:
-    """Bytes written to and read from the sockets of one client, across reconnects."""
+    """Bytes written to and read from the sockets of one client, across reconnects, and how
+    often it tried to map a daemon's arena (only where the daemon said it is on this host)."""
 
     sent: int = 0
     received: int = 0
+    map_attempts: int = 0
 
 
 class Connection:
@@ -90,6 +92,7 @@ class Connection:
         arena = self.hello.get("arena")
         if not arena or self.hello.get("host_id") != P.local_host_id():
             return
+        self._traffic.map_attempts += 1
         try:
             mapped = Arena.attach(arena["name"])
         except (OSError, ValueError):
