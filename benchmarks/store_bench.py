@@ -33,6 +33,11 @@ blocks of 16 MiB); the JSON records the batch actually used.
 ``mooncake_master`` with its HTTP metadata server on loopback, a storage process holding the
 memory and a client over protocol ``tcp``, and answers each case as JSON. This process never
 imports Mooncake. Target: both our paths beat it on every batched size from 360 KiB up.
+
+``--hosts 2`` instead runs the daemon on one host and the client on another of the multi-host
+harness (``router.cluster.hosts``; needs root), gets and puts over the veth link against a raw
+socket over the same link, plus a 2k-token prompt's handoff (``benchmarks/store_hosts.py``).
+Target: batched gets of blocks >= 360 KiB reach >= 80% of the raw socket. No plot.
 """
 
 from __future__ import annotations
@@ -240,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mooncake-python", default=os.environ.get("KVSTORE_MOONCAKE_PYTHON",
                                                                 str(MOONCAKE_PYTHON_DEFAULT)),
                     help="Python of Mooncake's own venv (default %(default)s)")
+    ap.add_argument("--hosts", type=int, choices=(2,), default=None,
+                    help="2: the daemon on one host and the client on another (network "
+                         "namespaces over a veth link; root), against a raw socket on that link")
+    ap.add_argument("--tls", action="store_true",
+                    help="with --hosts: the daemon and client speak TLS (the raw socket stays "
+                         "plain), so the ratio is TLS's cost on the link")
+    ap.add_argument("--no-handoff", action="store_true",
+                    help="with --hosts: skip the 2k-token prompt's KV handoff")
     return ap
 
 
@@ -253,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvstore.daemon.config import parse_size
 
+    if args.hosts:
+        return _main_hosts(args, iters, cap)
+    if args.tls or args.no_handoff:
+        raise SystemExit("--tls and --no-handoff go with --hosts 2")
     mooncake = None
     if "mooncake" in args.peer:
         mooncake = Mooncake(Path(args.mooncake_python), parse_size(args.memory), out / "mooncake-logs")
@@ -291,6 +308,32 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "processor": platform.processor()},
         "targets_met": targets, "plot": str(plot), "results": rows,
+    }))
+
+
+def _main_hosts(args: argparse.Namespace, iters: int, cap: int) -> None:
+    from benchmarks import store_hosts
+
+    if args.peer:
+        raise SystemExit("--peer does not go with --hosts")
+    res = store_hosts.run(SIZES, BATCHES, iters=iters, cap=cap, memory=args.memory,
+                          seed=args.seed, handoff=not args.no_handoff, tls=args.tls)
+    rows = res["results"]
+    batched = [r for r in rows if r["batch"] > 1 and r["block_bytes"] >= 360 * KiB]
+
+    def label(r: dict) -> str:
+        b = r["block_bytes"]
+        return f"{b // MiB} MiB x {r['batch']}" if b % MiB == 0 else f"{b // KiB} KiB x {r['batch']}"
+
+    print(json.dumps({
+        "bench": "store_hosts", "hosts": args.hosts, "tls": args.tls, "seed": args.seed,
+        "quick": args.quick, "iters": iters, "max_batch_bytes": cap, "memory": args.memory,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version(), "processor": platform.processor()},
+        "link": res["link"],
+        "targets_met": {"get_ge_80pct_raw_socket": all(r["get_vs_raw"] >= 0.8 for r in batched)},
+        "ratios": {label(r): {"get": r["get_vs_raw"], "put": r["put_vs_raw"]} for r in rows},
+        "handoff": res["handoff"], "results": rows,
     }))
 
 

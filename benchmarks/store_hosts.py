@@ -1,0 +1,314 @@
+"""``store_bench --hosts 2``: the store between two hosts, against a raw socket on the same link.
+
+Two hosts from the multi-host harness (``router.cluster.hosts.Hosts``: a network namespace
+each, a veth into a bridge, a private ``/dev/shm``): host 1 runs a real ``kvstore serve``
+(bound to ``0.0.0.0``, the cluster secret from a file) and a raw TCP server; host 0 runs the
+client, which times, for every block size and batch of ``store_bench``:
+
+- ``get``: ``Client.get`` of the batch into preallocated buffers (TCP: the daemon is on
+  another host, so no arena is mapped; the client checks ``map_attempts == 0``);
+- ``put``: ``Client.put`` of the batch (the keys deleted, untimed, before each one);
+- ``raw_get``: a 24-byte request to the raw server, which ``sendmsg``s the batch as one
+  iovec from preallocated memory, received with ``recvmsg_into`` into the same buffers;
+- ``raw_put``: the batch as one ``sendmsg`` iovec behind a 24-byte header, received into
+  preallocated buffers, then an 8-byte answer.
+
+Both sides of the raw socket are set up as the client's and the daemon's
+(``protocol.tune_socket``), so the raw pair is the link with a free protocol: the limit. The
+four are timed interleaved (one of each per round, ``--iters`` rounds after a warm-up); each
+figure is the best round, with the median ratio beside it. Ratios are ours / raw.
+
+The handoff: a 2,032-token prompt's KV (127 blocks of 16 tokens, 46,080 bytes a token for
+SmolLM2-135M in float32, plus the codec's 64-byte header: 737,344 bytes a block) saved as the
+engine connector saves it (puts of at most 64 MiB) and loaded in one get, both across the
+link: the prefill and decode workers on hosts other than the store's. Beside it, the raw
+socket moving the same bytes in the same pattern.
+
+With ``--tls`` (when ``kvstore.tls`` exists) the daemon and client speak TLS and the raw pair
+stays plain, so the ratio is what TLS costs on the link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+KiB, MiB = 1 << 10, 1 << 20
+STORE_PORT, RAW_PORT = 7700, 7701
+HANDOFF_TOKENS, BLOCK_TOKENS, TOKEN_BYTES, CODEC_HEADER = 2032, 16, 46_080, 64
+CONNECTOR_BATCH_BYTES = 64 << 20  # engine/kv/connector.py's _MAX_BATCH_BYTES
+_HDR = np.dtype("<u8")
+OP_GET, OP_PUT, OP_QUIT = 1, 2, 3
+_SECRET_ENV = ("KVSTORE_AUTH_TOKEN", "KVCACHE_CLUSTER_SECRET", "KVCACHE_CLUSTER_SECRET_FILE")
+_ROLE = "import sys; from benchmarks.store_hosts import role; role(sys.argv[1:])"
+
+
+# --- inside the hosts ------------------------------------------------------------------------
+
+
+def role(argv: list[str]) -> None:
+    """Entry of the processes started inside the hosts: ``raw-server PORT MAX_BYTES`` or
+    ``client CONFIG_JSON``."""
+    if argv[0] == "raw-server":
+        _raw_server(int(argv[1]), int(argv[2]))
+    elif argv[0] == "client":
+        print(json.dumps(_client(json.loads(argv[1]))), flush=True)
+    else:
+        raise SystemExit(f"unknown role {argv[0]!r}")
+
+
+def _raw_server(port: int, max_bytes: int) -> None:
+    """One connection: GET -> send COUNT x SIZE bytes in one iovec; PUT -> receive them into
+    preallocated buffers, answer 8 bytes. Both sockets tuned as the daemon's."""
+    from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
+
+    src = np.random.default_rng(1).integers(0, 256, max_bytes, dtype=np.uint8)
+    dst = np.ones(max_bytes, np.uint8)
+    lsock = socket.create_server(("0.0.0.0", port))
+    print("listening", flush=True)
+    conn, _ = lsock.accept()
+    lsock.close()
+    tune_socket(conn, None)
+    hdr = memoryview(bytearray(24))
+    ack = b"\0" * 8
+    with conn:
+        while True:
+            try:
+                recv_buffers(conn, [hdr])
+            except ConnectionError:
+                return
+            op, size, count = np.frombuffer(hdr, _HDR).tolist()
+            if op == OP_GET:
+                send_buffers(conn, [src[i * size: (i + 1) * size] for i in range(count)])
+            elif op == OP_PUT:
+                recv_buffers(conn, [dst[i * size: (i + 1) * size] for i in range(count)])
+                conn.sendall(ack)
+            else:
+                return
+
+
+class _Raw:
+    """Host 0's end of the raw socket."""
+
+    def __init__(self, address: str) -> None:
+        from kvstore.net.protocol import tune_socket
+
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        tune_socket(self.sock, None)
+        self._ack = memoryview(bytearray(8))
+
+    def get(self, bufs: list[np.ndarray]) -> None:
+        from kvstore.net.protocol import recv_buffers
+
+        self.sock.sendall(np.array([OP_GET, bufs[0].nbytes, len(bufs)], _HDR).tobytes())
+        recv_buffers(self.sock, bufs)
+
+    def put(self, bufs: list[np.ndarray]) -> None:
+        from kvstore.net.protocol import recv_buffers, send_buffers
+
+        head = np.array([OP_PUT, bufs[0].nbytes, len(bufs)], _HDR).tobytes()
+        send_buffers(self.sock, [head, *bufs])
+        recv_buffers(self.sock, [self._ack])
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(np.array([OP_QUIT, 0, 0], _HDR).tobytes())
+        finally:
+            self.sock.close()
+
+
+def _rounds(fns: dict[str, Any], before: Any, iters: int) -> dict[str, list[float]]:
+    """One warm-up round, then ``iters`` rounds of each of ``fns`` in turn (``before`` runs
+    untimed ahead of every round); seconds per call."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(iters + 1):
+        before()
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _client(cfg: dict[str, Any]) -> dict[str, Any]:
+    from kvstore import Client
+    from kvstore.keys import BlockKey
+
+    rng = np.random.default_rng(cfg["seed"])
+    client = Client(cfg["store"], timeout=60, **cfg.get("client_kw", {}))
+    assert client.transport == "tcp" and client.map_attempts == 0, \
+        "the client must reach the daemon over the link, with no arena mapped"
+    raw = _Raw(cfg["raw"])
+    iters = cfg["iters"]
+    rows = []
+    try:
+        for size, batch in cfg["cases"]:
+            keys = [BlockKey(rng.bytes(16)) for _ in range(batch)]
+            src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
+            dst = [np.ones(size, np.uint8) for _ in range(batch)]
+            t = _rounds({"put": lambda: client.put(keys, src),
+                         "raw_put": lambda: raw.put(src),
+                         "get": lambda: client.get(keys, dst),
+                         "raw_get": lambda: raw.get(dst)},
+                        lambda: client.delete(keys), iters)
+            assert all(client.get(keys, dst)) and np.array_equal(dst[-1], src[-1]), \
+                "wrong bytes read back"
+            client.delete(keys)
+            rows.append(_row(size, batch, t))
+        handoff = _handoff(client, raw, rng, iters) if cfg["handoff"] else None
+    finally:
+        raw.close()
+        client.close()
+    return {"results": rows, "handoff": handoff}
+
+
+def _row(size: int, batch: int, t: dict[str, list[float]]) -> dict[str, Any]:
+    nbytes = size * batch
+    row: dict[str, Any] = {"block_bytes": size, "batch": batch}
+    for name, ts in t.items():
+        row[f"{name}_gbps"] = nbytes / min(ts) / 1e9
+    for op in ("get", "put"):
+        row[f"{op}_vs_raw"] = min(t[f"raw_{op}"]) / min(t[op])
+        row[f"{op}_vs_raw_median"] = statistics.median(t[f"raw_{op}"]) / statistics.median(t[op])
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def _handoff(client: Any, raw: _Raw, rng: np.random.Generator, iters: int) -> dict[str, Any]:
+    from kvstore.keys import BlockKey
+
+    n = HANDOFF_TOKENS // BLOCK_TOKENS
+    size = BLOCK_TOKENS * TOKEN_BYTES + CODEC_HEADER
+    per_put = max(1, CONNECTOR_BATCH_BYTES // size)
+    keys = [BlockKey(rng.bytes(16)) for _ in range(n)]
+    src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    dst = [np.ones(size, np.uint8) for _ in range(n)]
+    parts = [slice(i, min(n, i + per_put)) for i in range(0, n, per_put)]
+
+    def save() -> None:
+        for p in parts:
+            client.put(keys[p], src[p])
+
+    def raw_save() -> None:
+        for p in parts:
+            raw.put(src[p])
+
+    t = _rounds({"save": save, "raw_save": raw_save,
+                 "load": lambda: client.get(keys, dst), "raw_load": lambda: raw.get(dst)},
+                lambda: client.delete(keys), iters)
+    assert all(client.get(keys, dst)) and np.array_equal(dst[0], src[0]), "wrong bytes read back"
+    client.delete(keys)
+    best = {k: min(v) for k, v in t.items()}
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {
+        "tokens": HANDOFF_TOKENS, "blocks": n, "block_bytes": size, "bytes": n * size,
+        "puts": len(parts),
+        "save_ms": round(best["save"] * 1e3, 2), "load_ms": round(best["load"] * 1e3, 2),
+        "transfer_ms": round((best["save"] + best["load"]) * 1e3, 2),
+        "raw_save_ms": round(best["raw_save"] * 1e3, 2),
+        "raw_load_ms": round(best["raw_load"] * 1e3, 2),
+        "raw_transfer_ms": round((best["raw_save"] + best["raw_load"]) * 1e3, 2),
+        "transfer_vs_raw": round((best["raw_save"] + best["raw_load"])
+                                 / (best["save"] + best["load"]), 3),
+        "transfer_ms_median": round((med["save"] + med["load"]) * 1e3, 2),
+        "transfer_vs_raw_median": round((med["raw_save"] + med["raw_load"])
+                                        / (med["save"] + med["load"]), 3),
+    }
+
+
+# --- the orchestrator, in the root namespace ----------------------------------------------------
+
+
+def _readline(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        err = proc.stderr.read() if proc.stderr else ""
+        raise SystemExit(f"store_bench --hosts: {what} did not start within {timeout:.0f} s: "
+                         f"{err.strip()[-2000:]}")
+    return line.strip()
+
+
+def _tls_flags(tmp: Path) -> tuple[list[str], dict[str, Any]]:
+    """Daemon flags and client keywords for TLS, with a fresh CA and server certificate."""
+    try:
+        from kvstore import tls  # type: ignore[attr-defined]  # added by the TLS work
+    except ImportError:
+        raise SystemExit("store_bench --hosts --tls: this checkout has no kvstore.tls "
+                         "(TLS support) yet") from None
+    raise SystemExit(f"store_bench --hosts --tls: not wired to {tls.__name__} yet")
+
+
+def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: str, seed: int,
+        handoff: bool = True, tls: bool = False) -> dict[str, Any]:
+    """Start two hosts, the daemon and raw server on host 1, the client on host 0; the
+    client's results with the link's description."""
+    from kvstore.daemon.config import parse_size
+    from router.cluster.hosts import Hosts, HostsError
+
+    cases = list(dict.fromkeys((s, max(1, min(b, cap // s))) for s in sizes for b in batches))
+    max_bytes = max(s * b for s, b in cases)
+    if handoff:
+        max_bytes = max(max_bytes, CONNECTOR_BATCH_BYTES + BLOCK_TOKENS * TOKEN_BYTES,
+                        (HANDOFF_TOKENS // BLOCK_TOKENS) * (BLOCK_TOKENS * TOKEN_BYTES + CODEC_HEADER))
+    arena = parse_size(memory)
+    shm_size = f"{(arena + 128 * MiB) // MiB}M"
+    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+    with tempfile.TemporaryDirectory(prefix="store-hosts-") as tmpdir:
+        tmp = Path(tmpdir)
+        secret = tmp / "cluster-secret"
+        secret.write_text(os.urandom(24).hex())
+        secret.chmod(0o600)
+        env["KVCACHE_CLUSTER_SECRET_FILE"] = str(secret)
+        tls_args, client_kw = _tls_flags(tmp) if tls else ([], {})
+        try:
+            hosts = Hosts(2, shm_size=shm_size).__enter__()
+        except HostsError as e:
+            raise SystemExit(f"store_bench --hosts: cannot make the hosts: {e}") from None
+        try:
+            client_host, store_host = hosts[0], hosts[1]
+            daemon = store_host.popen(
+                [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--host", "0.0.0.0",
+                 "--port", str(STORE_PORT), "--memory", memory,
+                 "--max-conn-reserve", str(min(arena, max(max_bytes, arena // 4))),
+                 "--log-level", "WARNING", *tls_args],
+                env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            ready = _readline(daemon, "the store daemon")
+            assert f"address={store_host.address}:{STORE_PORT}" in ready, ready
+            raw = store_host.popen([sys.executable, "-c", _ROLE, "raw-server", str(RAW_PORT),
+                                    str(max_bytes)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            _readline(raw, "the raw socket server")
+            mtu = int(client_host.run(["cat", "/sys/class/net/eth0/mtu"]).stdout.strip() or 0)
+            cfg = {"store": f"{store_host.address}:{STORE_PORT}",
+                   "raw": f"{store_host.address}:{RAW_PORT}", "cases": cases, "iters": iters,
+                   "seed": seed, "handoff": handoff, "client_kw": client_kw}
+            client = client_host.popen([sys.executable, "-c", _ROLE, "client", json.dumps(cfg)],
+                                       env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+            out, err = client.communicate(timeout=1800)
+            if client.returncode != 0:
+                raise SystemExit(f"store_bench --hosts: the client failed "
+                                 f"(exit {client.returncode}): {err.strip()[-3000:]}")
+            result = json.loads(out.strip().splitlines()[-1])
+        finally:
+            hosts.close()
+    result["link"] = {"kind": "veth pair into a Linux bridge, one network namespace a host",
+                      "mtu": mtu, "store_host": store_host.address,
+                      "client_host": client_host.address, "tls": tls}
+    return result
