@@ -10,6 +10,9 @@ offending field. Block keys travel as 32-character hex strings and are :class:`B
   :func:`parse_generate_line` to tell them apart.
 - ``GET /info``: :class:`WorkerInfo` (also the worker's etcd value, see docs/architecture.md).
 - ``GET /events`` and ``GET /snapshot``: their types are in ``engine.api.events``.
+- Every call may carry ``X-KV-Worker-Id`` (:data:`WORKER_ID_HEADER`): the worker it is meant
+  for. Another worker answers 421 (a registration that outlived its worker, whose port a
+  replacement now holds).
 
 A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob], ...]}``
 (``top`` holds the ``sampling.logprobs`` most likely tokens, best first; empty when 0).
@@ -37,7 +40,10 @@ __all__ = [
     "GenerateFinal",
     "parse_generate_line",
     "WorkerInfo",
+    "WORKER_ID_HEADER",
 ]
+
+WORKER_ID_HEADER = "X-KV-Worker-Id"
 
 Phase = Literal["prefill", "decode", "full"]
 FinishReason = Literal["stop", "length", "abort"]

@@ -17,6 +17,12 @@ Authentication: given the cluster secret (``kvstore.secret``), every path but ``
 a secret nothing is checked: loopback dev mode (``kvengine serve`` refuses to listen beyond
 loopback without one unless ``--insecure``).
 
+Addressing: a caller may name the worker it means in ``X-KV-Worker-Id`` (the router does, on
+every call). Any other id than this worker's answers 421 ``{"error"}`` before a handler runs:
+a registration outlives a killed worker by its lease TTL, and its replacement may bind the
+same port, so a stale registration would otherwise reach the new process under an old id,
+and a failover from the old id to the new one would send one request to one process twice.
+
 The app only translates between HTTP and the ``EngineWorker``; it never touches the engine.
 """
 
@@ -36,6 +42,7 @@ from engine.api.generate import (
     GenerateChunk,
     GenerateFinal,
     GenerateRequest,
+    WORKER_ID_HEADER,
     WorkerInfo,
 )
 from engine.worker.events import EventStream
@@ -81,12 +88,33 @@ class _RequireSecret:
         await response(scope, receive, send)
 
 
+class _RequireWorkerId:
+    """ASGI middleware: 421 when ``X-KV-Worker-Id`` names another worker (module docstring)."""
+
+    _header = WORKER_ID_HEADER.lower().encode()
+
+    def __init__(self, app: ASGIApp, worker_id: str) -> None:
+        self.app = app
+        self.worker_id = worker_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            meant = next((v.decode("latin-1") for k, v in scope["headers"] if k == self._header), None)
+            if meant is not None and meant != self.worker_id:
+                response = JSONResponse(
+                    {"error": f"misdirected: this is worker {self.worker_id!r}, not {meant!r} "
+                              "(a registration that outlived its worker)"}, status_code=421)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
                metrics: WorkerMetrics, *, secret: str | None = None) -> FastAPI:
     """The worker's app. Setting ``app.state.closing`` (an ``asyncio.Event``) ends the
     event streams when set, so a server shutdown is not held open by subscribers.
     ``secret``: the cluster secret every caller must present (None: no authentication)."""
     app = FastAPI(title="kvengine worker", docs_url=None, redoc_url=None)
+    app.add_middleware(_RequireWorkerId, worker_id=info.worker_id)
     if secret:
         app.add_middleware(_RequireSecret, secret=secret)
     app.state.info = info

@@ -12,7 +12,9 @@
   worker could not be reached). Runs until cancelled.
 
 Every call carries ``headers`` (the router passes the cluster secret's
-``Authorization: Bearer``, ``kvstore.secret.bearer_headers``: workers refuse callers without it).
+``Authorization: Bearer``, ``kvstore.secret.bearer_headers``: workers refuse callers without it)
+and ``X-KV-Worker-Id: <worker_id>``: the worker answers 421 if it is another one (a stale
+registration whose port a replacement now holds), which is a :class:`WorkerUnavailable`.
 
 Timeouts: connecting and unary calls use ``timeout``; streams use ``stream_read_timeout``
 between lines (None: wait forever, e.g. for the event stream of an idle worker).
@@ -40,6 +42,7 @@ from engine.api.generate import (
     GenerateChunk,
     GenerateFinal,
     GenerateRequest,
+    WORKER_ID_HEADER,
     WorkerInfo,
     parse_generate_line,
 )
@@ -92,7 +95,8 @@ class WorkerClient:
         self._timeout = timeout
         self._stream_timeout = httpx.Timeout(timeout, read=stream_read_timeout)
         self._http = httpx.AsyncClient(
-            base_url=info.address, timeout=timeout, headers=dict(headers or {}),
+            base_url=info.address, timeout=timeout,
+            headers={**(headers or {}), WORKER_ID_HEADER: info.worker_id},
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
         )
 
@@ -206,7 +210,7 @@ class WorkerClient:
             return
         await resp.aread()
         text = resp.text[:500]
-        if resp.status_code >= 500:
+        if resp.status_code >= 500 or resp.status_code == 421:   # 421: not the worker meant
             raise WorkerUnavailable(self.worker_id, f"HTTP {resp.status_code}: {text}")
         if resp.status_code == 409:
             raise KeyMismatch(self.worker_id, resp.status_code, text)

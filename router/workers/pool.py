@@ -10,6 +10,11 @@ and a task following the worker's event stream into the shared :class:`KvIndex`.
 - A worker whose key disappears (closed, or its lease expired) is dropped: its event task is
   cancelled, its blocks leave the index, its client is closed.
 - A member whose value changes (a restart at a new address) is replaced.
+- A member that joins at the address of one already held supersedes it: one port is one
+  process, so the old registration is a killed worker's, kept alive by its lease until the
+  TTL ends, now pointing at its replacement. The old one is dropped at once (were both kept,
+  a failover from one to the other would send one request to one process twice; the worker
+  also answers 421 to calls meant for another id, ``router.workers.client``).
 - When etcd is unreachable the membership keeps its last view, the pool keeps serving with
   it, and ``etcd_healthy`` / ``health()`` say so.
 
@@ -217,6 +222,7 @@ class WorkerPool:
         assert self._source is not None and self._changed is not None
         members = self._source.members()
         changed = False
+        held = set(self._workers)      # before this sync: who a newcomer can supersede
         for wid in [w for w in self._values if w not in members and w not in self._workers]:
             del self._values[wid]  # a bad registration that left
         for wid in [w for w in self._workers if w not in members]:
@@ -235,6 +241,11 @@ class WorkerPool:
             except ApiValidationError as exc:
                 log.warning("ignoring worker %s: bad registration (%s)", wid, exc)
                 continue
+            for old in [w for w, h in self._workers.items()
+                        if w in held and w != wid and h.info.address == info.address]:
+                log.info("worker %s superseded by %s at %s", old, wid, info.address)
+                await self._drop(old)
+                self._values[old] = members[old]   # a stale key: not added back while it lasts
             self._add(info)
             changed = True
         if changed:

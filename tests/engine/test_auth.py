@@ -110,3 +110,17 @@ def test_the_store_client_gets_the_resolved_secret(monkeypatch):
     seen.clear()
     cli._connect_store(WorkerConfig(store="127.0.0.1:1"))  # no secret: the client's own env path
     assert [kw["auth_token"] for kw in seen] == [None, None]
+
+
+def test_a_call_meant_for_another_worker_id_is_misdirected_and_reaches_nothing(worker):
+    # A stale registration (a killed worker's, its lease not yet expired) points at the port
+    # its replacement now holds: the replacement must not serve calls meant for the old id.
+    me = httpx.get(worker.address + "/info", headers=GOOD, timeout=10).json()["worker_id"]
+    other = {**GOOD, "X-KV-Worker-Id": me + "-old"}
+    req = greedy("auth-misdirected", [5, 6, 7], 2)
+    r = httpx.post(worker.address + "/generate", json=req, headers=other, timeout=10)
+    assert r.status_code == 421 and "misdirected" in r.json()["error"], r.text
+    assert httpx.get(worker.address + "/health", headers=other, timeout=10).status_code == 421
+    # Nothing was submitted: the same request id is free for the worker it was meant for.
+    tokens, final = generate(worker.address, req, headers={**GOOD, "X-KV-Worker-Id": me})
+    assert len(tokens) == 2 and final["finish_reason"] == "length"

@@ -130,6 +130,41 @@ def test_pool_discovers_workers_through_etcd(etcd_server, unique_prefix: str) ->
     _run(body)
 
 
+def test_a_worker_joining_at_a_held_address_supersedes_the_stale_registration(
+        etcd_server, unique_prefix: str) -> None:
+    # A killed worker's key lives until its lease ends; its replacement binds the same port and
+    # registers under a new id. The pool must not keep both: they are one process.
+    from kvstore.coord.registration import register
+
+    server = etcd_server()
+    cluster = unique_prefix.strip("/")
+
+    async def body() -> None:
+        fake = await FakeWorker("old").start()
+        value = fake.info.to_etcd_value()
+        pool = await WorkerPool.from_etcd(server.url, cluster).start()
+        regs = []
+        try:
+            regs.append(await asyncio.to_thread(
+                lambda: register(server.url, cluster, "workers", "old", value, ttl=30.0)))
+            await _until(lambda: pool.get("old") is not None)
+            regs.append(await asyncio.to_thread(
+                lambda: register(server.url, cluster, "workers", "new", value, ttl=30.0)))
+            await _until(lambda: pool.get("new") is not None)
+            assert pool.get("old") is None and [w.worker_id for w in pool.workers()] == ["new"]
+            await asyncio.sleep(0.3)                       # later syncs do not bring it back
+            assert pool.get("old") is None
+            client = pool.get("new").client
+            assert client._http.headers["X-KV-Worker-Id"] == "new"
+        finally:
+            for reg in regs:
+                await asyncio.to_thread(reg.close)
+            await pool.close()
+            await fake.stop()
+
+    _run(body)
+
+
 def test_worker_info_etcd_value_round_trips() -> None:
     from engine.api.generate import WorkerInfo
 
