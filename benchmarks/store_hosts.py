@@ -30,6 +30,7 @@ stays plain, so the ratio is what TLS costs on the link.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -149,9 +150,11 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
     from kvstore.keys import BlockKey
 
     rng = np.random.default_rng(cfg["seed"])
-    client = Client(cfg["store"], timeout=60, **cfg.get("client_kw", {}))
+    client = Client(cfg["store"], timeout=60)  # TLS (--tls): from $KVCACHE_TLS_*
     assert client.transport == "tcp" and client.map_attempts == 0, \
         "the client must reach the daemon over the link, with no arena mapped"
+    if cfg["tls"]:
+        assert getattr(client, "tls", None) is not None, "--tls: the client has no TLS settings"
     raw = _Raw(cfg["raw"])
     iters = cfg["iters"]
     rows = []
@@ -244,14 +247,16 @@ def _readline(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
     return line.strip()
 
 
-def _tls_flags(tmp: Path) -> tuple[list[str], dict[str, Any]]:
-    """Daemon flags and client keywords for TLS, with a fresh CA and server certificate."""
+def _tls(tmp: Path, store_address: str) -> tuple[list[str], dict[str, str]]:
+    """The daemon's TLS flags and the client's TLS environment: a fresh CA and one certificate
+    each (``kvstore.certs``), the daemon's naming the address the client connects to."""
     try:
-        from kvstore import tls  # type: ignore[attr-defined]  # added by the TLS work
+        certs = importlib.import_module("kvstore.certs")
     except ImportError:
-        raise SystemExit("store_bench --hosts --tls: this checkout has no kvstore.tls "
-                         "(TLS support) yet") from None
-    raise SystemExit(f"store_bench --hosts --tls: not wired to {tls.__name__} yet")
+        raise SystemExit("store_bench --hosts --tls: this checkout has no kvstore.certs / "
+                         "kvstore.tls (TLS support)") from None
+    made = certs.make_certs(tmp / "tls", names=("store", "client"), ips=(store_address,))
+    return made["store"].args(), made["client"].environ()
 
 
 def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: str, seed: int,
@@ -268,20 +273,21 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
                         (HANDOFF_TOKENS // BLOCK_TOKENS) * (BLOCK_TOKENS * TOKEN_BYTES + CODEC_HEADER))
     arena = parse_size(memory)
     shm_size = f"{(arena + 128 * MiB) // MiB}M"
-    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _SECRET_ENV and not k.startswith("KVCACHE_TLS_")}
     with tempfile.TemporaryDirectory(prefix="store-hosts-") as tmpdir:
         tmp = Path(tmpdir)
         secret = tmp / "cluster-secret"
         secret.write_text(os.urandom(24).hex())
         secret.chmod(0o600)
         env["KVCACHE_CLUSTER_SECRET_FILE"] = str(secret)
-        tls_args, client_kw = _tls_flags(tmp) if tls else ([], {})
         try:
             hosts = Hosts(2, shm_size=shm_size).__enter__()
         except HostsError as e:
             raise SystemExit(f"store_bench --hosts: cannot make the hosts: {e}") from None
         try:
             client_host, store_host = hosts[0], hosts[1]
+            tls_args, client_env = _tls(tmp, store_host.address) if tls else ([], {})
             daemon = store_host.popen(
                 [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--host", "0.0.0.0",
                  "--port", str(STORE_PORT), "--memory", memory,
@@ -297,9 +303,9 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
             mtu = int(client_host.run(["cat", "/sys/class/net/eth0/mtu"]).stdout.strip() or 0)
             cfg = {"store": f"{store_host.address}:{STORE_PORT}",
                    "raw": f"{store_host.address}:{RAW_PORT}", "cases": cases, "iters": iters,
-                   "seed": seed, "handoff": handoff, "client_kw": client_kw}
+                   "seed": seed, "handoff": handoff, "tls": tls}
             client = client_host.popen([sys.executable, "-c", _ROLE, "client", json.dumps(cfg)],
-                                       env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                       env={**env, **client_env}, cwd=REPO, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
             out, err = client.communicate(timeout=1800)
             if client.returncode != 0:
