@@ -17,6 +17,12 @@ Authentication: ``auth_token`` is the cluster secret (``kvstore.secret``); when 
 environment's (``$KVCACHE_CLUSTER_SECRET``, ``$KVCACHE_CLUSTER_SECRET_FILE``, then the
 deprecated ``$KVSTORE_AUTH_TOKEN``).
 
+TLS (``kvstore.tls``): ``tls`` is a ``TLSConfig``, ``False`` for plain TCP, or ``None``
+(the default) for the process's settings (``kvstore.tls.current()``: what the command
+configured from its flags, else ``$KVCACHE_TLS_CERT``/``_KEY``/``_CA``). Over TLS both paths
+stay: on the daemon's host the values still go through shared memory, and only the control
+frames travel in TLS.
+
 Large puts are split to fit the daemon's ``max_data`` (its per-connection cap on in-flight
 reservations, from HELLO) as well as ``MAX_BATCH``; each part is stored or not as a whole.
 
@@ -39,7 +45,7 @@ from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
-from kvstore import secret
+from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
 from kvstore.net.buffers import Dest, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
@@ -88,7 +94,8 @@ class Client:
     """A connection to one store node. See the module docstring for paths and failures."""
 
     def __init__(self, address: str, *, auth_token: str | None = None, timeout: float = 5.0,
-                 transport: Transport = "auto") -> None:
+                 transport: Transport = "auto",
+                 tls: tls_settings.TLSConfig | Literal[False] | None = None) -> None:
         if transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
         parse_address(address)  # a malformed address fails here, not on first use
@@ -96,6 +103,7 @@ class Client:
         if auth_token is None:  # the cluster secret of the environment (kvstore.secret), else
             auth_token = secret.resolve() or os.environ.get("KVSTORE_AUTH_TOKEN")  # the old name
         self._token = auth_token
+        self.tls: tls_settings.TLSConfig | None = tls_settings.current() if tls is None else (tls or None)
         self._timeout = timeout
         self._want = transport
         self._lock = threading.RLock()
@@ -322,7 +330,8 @@ class Client:
             raise StoreUnavailable(f"this Client for {self.address} is closed; create a new one")
         if self._conn is None:
             self._conn = Connection.open(self.address, token=self._token, timeout=self._timeout,
-                                         want=self._want, traffic=self._traffic)
+                                         want=self._want, traffic=self._traffic,
+                                         tls=self.tls.client_context() if self.tls else None)
         return self._conn
 
     def _drop(self) -> None:

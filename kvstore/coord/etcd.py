@@ -17,19 +17,26 @@ Contract:
   ``close()`` at any time (the blocked reader wakes up and the iteration ends). While idle it
   probes etcd every ``probe_interval`` seconds, so a silent partition surfaces as
   ``EtcdUnavailable`` instead of a watch that waits forever.
-- Plain ``http://`` endpoints only (TLS is not supported yet).
+- ``http://`` and ``https://`` endpoints. On https the client presents the process's TLS
+  certificate (``tls``, by default ``kvstore.tls.current()``) and verifies etcd's against
+  the cluster CA, for the gateway calls and the watch streams alike (etcd started with
+  ``--cert-file --key-file --trusted-ca-file --client-cert-auth``); with no TLS settings an
+  https etcd is verified against the system's CAs and gets no client certificate. An
+  endpoint without a scheme is https when TLS is configured, else http.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
 
+from kvstore import tls as tls_settings
 from kvstore.errors import ETCD_START_HINT, EtcdError, EtcdUnavailable, LeaseExpired, WatchCompacted
 from kvstore.coord.encoding import b64 as _b64, prefix_range_end, unb64 as _unb64
 from kvstore.coord.watch import Watch, WatchEvent
@@ -50,18 +57,19 @@ _GRPC_NOT_FOUND = 5
 _GRPC_UNAVAILABLE = 14
 
 
-def _parse_endpoints(endpoints: str | list[str]) -> list[str]:
+def _parse_endpoints(endpoints: str | list[str], scheme: str = "http") -> list[str]:
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     out = []
     for item in (e.strip() for e in items):
         if not item:
             continue
         if "://" not in item:
-            item = "http://" + item
+            item = f"{scheme}://{item}"
         parts = urlsplit(item)
-        if parts.scheme != "http" or not parts.hostname or not parts.port:
-            raise ValueError(f"etcd endpoint must look like http://HOST:PORT, got {item!r}")
-        out.append(f"http://{parts.hostname}:{parts.port}")
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise ValueError(f"etcd endpoint must look like http(s)://HOST:PORT, got {item!r}")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        out.append(f"{parts.scheme}://{host}:{parts.port}")
     if not out:
         raise ValueError("at least one etcd endpoint is required")
     return out
@@ -70,12 +78,15 @@ def _parse_endpoints(endpoints: str | list[str]) -> list[str]:
 class EtcdClient:
     """Synchronous, thread-safe etcd v3 client (see the module docstring for the contract)."""
 
-    def __init__(self, endpoints: str | list[str], timeout: float = 2.0) -> None:
-        self.endpoints = _parse_endpoints(endpoints)
+    def __init__(self, endpoints: str | list[str], timeout: float = 2.0,
+                 tls: tls_settings.TLSConfig | Literal[False] | None = None) -> None:
+        self.tls = tls_settings.current() if tls is None else (tls or None)
+        self.endpoints = _parse_endpoints(endpoints, "https" if self.tls else "http")
         self.timeout = float(timeout)
+        self._ssl = self.tls.client_context() if self.tls else ssl.create_default_context()
         self._http = httpx.Client(
             timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 1.0)),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json"}, verify=self._ssl,
         )
         self._preferred = 0
         self._lock = threading.Lock()
@@ -240,6 +251,13 @@ class EtcdClient:
             except OSError as exc:
                 last = exc
                 continue
+            if parts.scheme == "https":
+                try:
+                    sock = self._ssl.wrap_socket(sock, server_hostname=parts.hostname)
+                except OSError as exc:  # ssl.SSLError included: a refused certificate
+                    sock.close()
+                    last = exc
+                    continue
             watch = Watch(sock, endpoint, json.dumps(body).encode(), probe_interval,
                           probe=self.ping, on_close=self._forget)
             with self._lock:

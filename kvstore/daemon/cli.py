@@ -28,7 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from kvstore import secret
+from kvstore import secret, tls
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
 from kvstore.net.address import advertised_host, is_wildcard, join_host_port
 from kvstore.net.limits import ServerLimits
@@ -78,7 +78,7 @@ class Daemon:
                                                     on_corrupt_ssd=c.on_corrupt_ssd))
         try:
             server = self.server = StoreServer(store, host=c.host, port=c.port, node_id=node_id,
-                                               auth_token=c.auth_token, limits=c.limits)
+                                               auth_token=c.auth_token, limits=c.limits, tls=c.tls)
             metrics = self.metrics = StoreMetrics(store.stats, lambda: server.connection_count)
             server.metrics = metrics
             try:
@@ -206,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
         on_corrupt_ssd=args.on_corrupt_ssd,
         metrics_port=args.metrics_port, advertise=args.advertise,
         advertise_address=args.advertise_address,
-        registration_ttl=args.registration_ttl,
+        registration_ttl=args.registration_ttl, tls=tls.current(),
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -308,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--etcd", help="etcd endpoints URL to register with, e.g. http://127.0.0.1:2379")
     s.add_argument("--cluster", default="kvstore", help="cluster name (etcd key prefix)")
     secret.add_secret_flags(s)
+    tls.add_tls_flags(s)
     s.add_argument("--auth-token", help="deprecated: the cluster secret's old name "
                                         "(--cluster-secret; also $KVSTORE_AUTH_TOKEN)")
     d = ServerLimits()
@@ -351,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=doc)
         c.add_argument("address", help="host:port of the daemon")
         secret.add_secret_flags(c, server=False)
+        tls.add_tls_flags(c)
         c.add_argument("--auth-token", default=None,
                        help="deprecated: the cluster secret's old name (--cluster-secret; also "
                             "$KVSTORE_AUTH_TOKEN)")
@@ -366,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--transport", choices=("auto", "tcp"), default="auto",
                            help="auto: shared memory on the daemon's host, else TCP; tcp: always TCP")
             c.add_argument("--seed", type=int, default=0, help="seed of the block contents and keys")
+    from kvstore.certs import add_certs_command
+
+    add_certs_command(sub)
     return p
 
 
@@ -376,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvstore.errors import KVStoreError
 
     try:
+        tls.configure(tls.from_args(args))  # every connection of this process (kvstore.tls)
         return args.fn(args)
     except KVStoreError as e:
         print(f"kvstore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from kvstore.secret import check_bind
 
 if TYPE_CHECKING:
     from kvstore.node.ssd_tier import CorruptSsdPolicy
+    from kvstore.tls import TLSConfig
 
 __all__ = ["ServerConfig", "parse_size", "format_size", "DEFAULT_PORT"]
 
@@ -57,7 +58,8 @@ class ServerConfig:
     per-connection reservation cap, serving threads). ``on_corrupt_ssd``: what a damaged
     SSD tier at start does ("move-aside": moved to a named directory beside it, started
     empty; "fail": the daemon does not start). ``drain_timeout`` is how long SIGTERM waits for
-    in-flight operations. ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
+    in-flight operations. ``tls``: serve TLS with mutual certificates (``kvstore.tls``).
+    ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
     whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
     """
 
@@ -78,6 +80,7 @@ class ServerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     on_corrupt_ssd: CorruptSsdPolicy = "move-aside"
     drain_timeout: float = 10.0
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:

@@ -7,12 +7,19 @@ not thread-safe; ``Client`` serializes requests on it and replaces it after any 
 Its socket is set up by ``protocol.tune_socket`` (why each setting: see there); the
 ``timeout`` bounds the connect and every later socket wait, and a timed-out call raises an
 ``OSError``, which ``Client`` turns into ``StoreUnavailable``.
+
+TLS (``kvstore.tls``): given a client context, the socket is wrapped before HELLO (the
+handshake bounded by ``timeout``; the daemon's name checked against the address's host) and
+its timeouts are Python's rather than the kernel's (``protocol.is_tls``). A certificate the
+daemon does not trust, or one of the daemon that this side does not, is an ``AuthError``
+(retrying will not help); HELLO and the cluster secret follow as on plain TCP.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +27,7 @@ import numpy as np
 
 from kvstore.net import protocol as P
 from kvstore.node.arena import Arena
-from kvstore.errors import ProtocolError, StoreUnavailable
+from kvstore.errors import AuthError, ProtocolError, StoreUnavailable
 
 __all__ = ["Connection", "Traffic", "parse_address"]
 
@@ -43,6 +50,22 @@ class Traffic:
     map_attempts: int = 0
 
 
+_CERT_WORDS = ("CERTIFICATE", "UNKNOWN_CA", "BAD_CERT", "CERT_", "VERIFY")
+
+
+def _tls_failure(address: str, e: BaseException) -> StoreUnavailable | AuthError:
+    """What a failed TLS handshake with a daemon raises: a certificate refused (by either
+    side) is an ``AuthError``; anything else (a plain-TCP daemon, a cut connection) is
+    ``StoreUnavailable``."""
+    text = f"{getattr(e, 'reason', '') or ''} {e}"
+    if isinstance(e, ssl.CertificateError) or any(w in text.upper() for w in _CERT_WORDS):
+        return AuthError(f"TLS with the kvstore daemon at {address} refused a certificate ({e}); "
+                         "both ends need certificates of the same CA (--tls-cert/--tls-key/--tls-ca), "
+                         "and the daemon's must name the host connected to")
+    return StoreUnavailable(f"TLS with the kvstore daemon at {address} failed ({e!r}); does it "
+                            "serve TLS (kvstore serve --tls-cert ...), and is it reachable?")
+
+
 class Connection:
     """A live, authenticated connection (``open``); ``arena`` is set on the shm path."""
 
@@ -60,23 +83,37 @@ class Connection:
 
     @classmethod
     def open(cls, address: str, *, token: str | None, timeout: float, want: str,
-             traffic: Traffic) -> "Connection":
-        """Connect, handshake and (unless ``want`` is ``"tcp"``) map the daemon's arena."""
+             traffic: Traffic, tls: ssl.SSLContext | None = None) -> "Connection":
+        """Connect, handshake (TLS first, given ``tls``) and (unless ``want`` is ``"tcp"``)
+        map the daemon's arena."""
+        host, port = parse_address(address)
         try:
-            sock = socket.create_connection(parse_address(address), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise StoreUnavailable(f"cannot reach a kvstore daemon at {address} ({e}); "
                                    "check that `kvstore serve` runs there and is reachable") from None
-        conn = cls(sock, traffic)
         try:
             P.tune_socket(sock, timeout)
+            if tls is not None:
+                sock.settimeout(timeout)
+                sock = tls.wrap_socket(sock, server_hostname=host)
+        except (ssl.SSLError, ssl.CertificateError, OSError) as e:
+            sock.close()
+            raise _tls_failure(address, e) from None
+        conn = cls(sock, traffic)
+        try:
             _, meta = conn.exchange(P.Op.HELLO, P.pack_json(
                 {"token": token, "host_id": P.local_host_id(), "pid": os.getpid()}))
             conn.hello = P.unpack_json(meta)
+        except (ssl.SSLError, ssl.CertificateError) as e:
+            sock.close()
+            raise _tls_failure(address, e) from None
         except (OSError, EOFError) as e:
             sock.close()
+            hint = ("" if tls is not None else ", and does it require TLS (--tls-cert/--tls-key/"
+                    "--tls-ca, $KVCACHE_TLS_CERT...)")
             raise StoreUnavailable(f"kvstore daemon at {address} dropped the handshake "
-                                   f"({e!r}); is it a kvstore daemon, and is it overloaded?") from None
+                                   f"({e!r}); is it a kvstore daemon, is it overloaded{hint}?") from None
         except BaseException:
             sock.close()
             raise

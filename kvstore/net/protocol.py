@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -97,7 +98,7 @@ __all__ = [
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
-    "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit",
+    "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit", "is_tls",
 ]
 
 MAGIC = b"KVSP"
@@ -296,6 +297,14 @@ def tune_socket(sock: socket.socket, timeout: float | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def is_tls(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a TLS socket (``kvstore.tls``). TLS sockets have no scatter/gather
+    calls (``recvmsg_into``/``sendmsg``): the helpers below move one buffer a call on them,
+    and their timeouts are Python's (``settimeout``), not the kernel's: with a kernel timeout
+    a blocking TLS read that times out is retried by the ssl module forever."""
+    return isinstance(sock, ssl.SSLSocket)
+
+
 def recv_exact(sock: socket.socket, view: memoryview,
                before: Callable[[], None] | None = None) -> None:
     """Fill ``view`` from ``sock``; raise ``ConnectionError`` on EOF (a truncated frame)."""
@@ -323,11 +332,12 @@ def recv_buffers(sock: socket.socket, views: list, before: Callable[[], None] | 
     receive call (the daemon's whole-frame deadline: it raises once the frame is late)."""
     bufs = [v for v in (memoryview(b).cast("B") for b in views) if v.nbytes]
     total = sum(v.nbytes for v in bufs)
+    tls = is_tls(sock)
     i = 0
     while i < len(bufs):
         if before is not None:
             before()
-        if i + 1 == len(bufs):  # one left: recv_into is the cheaper call
+        if tls or i + 1 == len(bufs):  # one left: recv_into is the cheaper call
             got = sock.recv_into(bufs[i])
         else:
             got = sock.recvmsg_into(bufs[i: i + _IOV_MAX])[0]
@@ -350,9 +360,36 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview,
 def send_buffers(sock: socket.socket, buffers: list) -> None:
     """Send every buffer in order with as few syscalls as the kernel allows (``sendmsg``)."""
     bufs = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    if is_tls(sock):
+        _send_tls(sock, bufs)
+        return
     i = 0
     while i < len(bufs):
         i = _advance(bufs, i, sock.sendmsg(bufs[i: i + _IOV_MAX]))
+
+
+_TLS_COALESCE = 64 << 10
+
+
+def _send_tls(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """``send_buffers`` on TLS: small buffers joined (a header and its meta go in one
+    record), large ones written as they are."""
+    pending: list[memoryview] = []
+    size = 0
+    for b in bufs:
+        if b.nbytes >= _TLS_COALESCE:
+            if pending:
+                sock.sendall(b"".join(pending))
+                pending, size = [], 0
+            sock.sendall(b)
+            continue
+        pending.append(b)
+        size += b.nbytes
+        if size >= _TLS_COALESCE:
+            sock.sendall(b"".join(pending))
+            pending, size = [], 0
+    if pending:
+        sock.sendall(b"".join(pending))
 
 
 def local_host_id() -> str:

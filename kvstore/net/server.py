@@ -21,6 +21,12 @@ connections"):
   error is counted, a spare descriptor kept for the purpose lets the daemon tell the
   waiting peer so and close it, and accepting resumes as soon as descriptors free up.
 
+TLS (``tls``, a ``kvstore.tls.TLSConfig``): every accepted socket is wrapped, its handshake
+left to the session's non-blocking steps (``kvstore.net.session``), so a peer that stalls it
+holds no thread; a client certificate of the configured CA is required. A connection over
+the limits is still refused with a plain error frame before any handshake, which a TLS
+client reads as a failed handshake (``StoreUnavailable``).
+
 A connection's reservations and pins are made with its ``Session`` as their ``owner`` and
 released (``BlockStore.release_owner``) when it ends, however it ends (clean close, bad
 input, a dead peer, a timeout). Bad input closes that connection only. ``shutdown()`` stops
@@ -40,18 +46,22 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.net import protocol as P
 from kvstore.net.limits import ServerLimits
 from kvstore.net.session import Close, DropReason, FrameTimeout, ServerMetrics, Session
 from kvstore.node.store import BlockStore
 
+if TYPE_CHECKING:
+    from kvstore.tls import TLSConfig
+
 __all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "load_node_id", "raise_nofile_limit"]
 
 log = logging.getLogger(__name__)
 
 _ARM = select.EPOLLIN | select.EPOLLONESHOT
+_ARM_OUT = select.EPOLLOUT | select.EPOLLONESHOT  # a TLS step that waits to write
 _ACCEPT_BURST = 64
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -105,7 +115,7 @@ class StoreServer:
 
     def __init__(self, store: BlockStore, *, host: str, port: int, node_id: str,
                  auth_token: str | None = None, limits: ServerLimits | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, tls: TLSConfig | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self.host_id = P.local_host_id()
@@ -114,6 +124,8 @@ class StoreServer:
             P.MAX_BATCH, int(limits.conn_reserve_fraction * store.arena.size))
         self.token = auth_token.encode() if auth_token else None
         self.metrics = metrics
+        self.tls = tls
+        self._ssl = tls.server_context() if tls is not None else None
         self.address: tuple[str, int] | None = None
         self.accept_errors = 0
         self._host, self._port = host, port
@@ -247,6 +259,9 @@ class StoreServer:
                 continue
             try:
                 P.tune_socket(sock, self.limits.frame_timeout)
+                if self._ssl is not None:  # the handshake is the session's first steps
+                    sock.settimeout(0.0)
+                    sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 s = Session(self, sock, peer, time.monotonic())
                 with self._lock:
                     self._sessions[s.fd] = s
@@ -339,11 +354,14 @@ class StoreServer:
         except Exception:  # a bug: log it, but never take the daemon down with one connection
             log.exception("connection %s failed", s.peer)
         else:
+            if s.buffered() and not self._stopping.is_set():  # TLS bytes epoll cannot see
+                self._submit(s)
+                return
             with self._lock:
                 if not self._stopping.is_set() and s.state == "busy":
                     s.state = "idle"
                     try:
-                        self._ep.modify(s.fd, _ARM)
+                        self._ep.modify(s.fd, _ARM_OUT if s.want_write else _ARM)
                         return
                     except (OSError, ValueError, AttributeError):
                         s.state = "busy"

@@ -18,6 +18,12 @@ header is in, then serves frames while more are waiting:
   capped at ``max_reserve`` bytes, so no single client evicts more than its share of the
   arena before it has sent the bytes.
 
+TLS (``kvstore.tls``): a TLS session's handshake runs in non-blocking steps as well
+(``kvstore.net.tls_io``; ``want_write``: wait for writability), within the HELLO deadline;
+a refused certificate or a peer not speaking TLS ends it (``tls_handshake``). The frame
+deadline is then the socket's Python timeout, and ``buffered()`` tells the server to serve
+the session again when TLS holds decrypted bytes that epoll cannot see.
+
 Whatever the session has reserved or pinned (``owner=self``) is released by ``release()``,
 which the server calls however the session ends.
 """
@@ -37,7 +43,7 @@ import numpy as np
 
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
-from kvstore.net import protocol as P
+from kvstore.net import protocol as P, tls_io
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore
 
@@ -51,7 +57,8 @@ _BURST = 64  # frames served in one step before the session yields its thread
 
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
 DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
-DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout"]
+DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout",
+                     "tls_handshake"]
 
 
 class ServerMetrics(Protocol):
@@ -108,7 +115,7 @@ class Session:
     __slots__ = ("server", "store", "sock", "fd", "peer", "state", "authed", "opened",
                  "last_active", "frame_started", "_hdr", "_hdr_got", "_header", "_pre",
                  "_pre_got", "_scratch", "_deadline", "_rcvtimeo", "reserved",
-                 "reserved_bytes", "pins", "__weakref__")
+                 "reserved_bytes", "pins", "tls", "handshaking", "want_write", "__weakref__")
 
     def __init__(self, server: SessionHost, sock: socket.socket, peer: object, now: float) -> None:
         self.server = server
@@ -131,12 +138,17 @@ class Session:
         self.reserved: dict[BlockKey, int] = {}
         self.reserved_bytes = 0
         self.pins: collections.Counter[BlockKey] = collections.Counter()
+        self.tls = P.is_tls(sock)
+        self.handshaking = self.tls  # a TLS socket comes before its handshake
+        self.want_write = False      # wait for writability, not readability (TLS)
 
     # --- steps --------------------------------------------------------------------------
 
     def step(self) -> None:
         """Serve what has arrived, then return to wait for more. Raises ``Close`` (also at
         a clean end of stream), ``FrameTimeout`` or ``OSError`` when the session must end."""
+        if self.handshaking and not self._handshake():
+            return
         for _ in range(_BURST):
             h = self._header or self._read_header()
             if h is None:
@@ -158,10 +170,34 @@ class Session:
             self.frame_started = None
             self.last_active = time.monotonic()
 
+    def _handshake(self) -> bool:
+        """One non-blocking step of the TLS handshake; True once it is done."""
+        try:
+            step = tls_io.handshake_step(self.sock, self._rcvtimeo)
+        except OSError as e:  # ssl.SSLError: a refused certificate, a peer not speaking TLS
+            log.info("closing connection %s: TLS handshake failed: %s", self.peer, e)
+            if self.server.metrics is not None:
+                self.server.metrics.dropped("tls_handshake")
+            tls_io.refuse(self.sock)
+            raise Close() from None
+        self.want_write = step == "write"
+        self.handshaking = step != "done"
+        return not self.handshaking
+
+    def buffered(self) -> bool:
+        """Whether TLS holds decrypted bytes epoll cannot see (serve again, do not wait)."""
+        return self.tls and not self.handshaking and tls_io.pending(self.sock) > 0
+
     def _recv_nowait(self, buf: memoryview) -> int:
         """Bytes read into ``buf`` without blocking (0: nothing there yet)."""
         try:
-            got = self.sock.recv_into(buf, buf.nbytes, socket.MSG_DONTWAIT)
+            if self.tls:  # TLS sockets take no MSG_DONTWAIT (kvstore.net.tls_io)
+                got = tls_io.recv_nowait(self.sock, buf, self._rcvtimeo)
+                if isinstance(got, str):
+                    self.want_write = got == "write"
+                    return 0
+            else:
+                got = self.sock.recv_into(buf, buf.nbytes, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return 0
         if got == 0:
@@ -228,7 +264,10 @@ class Session:
             self._set_rcvtimeo(left)
 
     def _set_rcvtimeo(self, seconds: float) -> None:
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        if self.tls:
+            self.sock.settimeout(max(0.001, seconds))
+        else:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
         self._rcvtimeo = seconds
 
     def reset_timeouts(self) -> None:
