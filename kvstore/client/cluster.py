@@ -1,24 +1,38 @@
 """``ClusterClient``: the ``Client`` API over every store node registered in etcd.
 
 Membership: the nodes are the live keys under ``/{cluster}/stores/`` (``kvstore.coord.layout``;
-each value carries the node's ``address``), mirrored by a watched ``Membership``; placement is
-computed locally by rendezvous hashing (``kvstore.client.placement``) over them. Nothing per
-block touches etcd.
+each value carries the node's ``address``, and ``"draining": true`` while it drains), mirrored
+by a watched ``Membership``; placement is computed locally by rendezvous hashing
+(``kvstore.client.placement``) over them. R, the replica count, is the cluster's setting in
+etcd (``/{cluster}/config/store``, ``kvstore.coord.settings``), also watched, so every client
+uses the same R (``replicas``; 1 when none is set). Nothing per block touches etcd.
 
 Routing, per batch call (keys are split by node, each node gets one batched call, the calls
 to different nodes run concurrently, results come back in the caller's order):
 
-- A key's *targets* are the first ``replicas`` nodes of its rendezvous ranking that are
-  reachable. A node that fails a call (``StoreUnavailable``) is skipped for the rest of the
+- A key's *targets* are the first R nodes of its rendezvous ranking that are reachable and
+  not draining. A node that fails a call (``StoreUnavailable``) is skipped for the rest of the
   call and for ``retry_after`` seconds, and its keys go to their next-ranked node: the node
   that owns them once membership drops the dead one (within the registration TTL).
-- ``put`` writes each key to its targets. ``get``/``get_bytes``/``contains`` ask the first
-  target and, on a miss, the next one, up to ``replicas`` nodes that answered. A dead node
-  costs hits, never an error: ``StoreUnavailable`` only when no node answered at all (or
-  none is registered). ``prefix_len`` is the leading run of the merged ``contains``.
-- ``delete`` removes each key from its targets and returns the number of copies removed
-  (= blocks removed while ``replicas`` is 1).
+- ``put`` writes each key to its targets. ``get``/``get_bytes``/``contains`` ask the nodes of
+  the key's ranking in order until one has it, stopping after R non-draining nodes answered
+  "miss" (a draining node is asked where it ranks, but does not count: it still serves what it
+  holds). A dead node costs hits, never an error: ``StoreUnavailable`` only when no node
+  answered at all (or none is registered). ``prefix_len`` is the leading run of the merged
+  ``contains``.
+- Read repair (``kvstore.client.read_repair``): when a ``get``/``get_bytes`` hit came after
+  targets that answered "miss", the block is written back to those targets by a background
+  thread (bounded queue; dropped and counted when full; ``read_repair=False`` turns it off).
+  ``stats()["read_repair"]`` has the counts.
+- ``delete`` removes each key from its targets and from every draining node, and returns the
+  number of copies removed (= blocks removed while R is 1).
 - ``StoreFull`` from one node is raised after every other node's share was written.
+
+For callers that talk to one node themselves (e.g. a prefill->decode handoff):
+``node_client(node_id)`` is the pooled per-node ``Client`` of a registered node, and
+``local_node_id`` the registered node on this process's host (same ``host_id`` as
+``kvstore.net.protocol.local_host_id()``: its ``Client`` maps the arena and moves bytes
+over shared memory).
 
 Per-node ``Client``s are created on first use and closed when their node leaves. If etcd
 becomes unreachable the last known membership stays in use (``etcd_healthy`` says so).
@@ -35,11 +49,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvstore.client.node import Client
+from kvstore.client.read_repair import ReadRepair, RepairItem
 from kvstore.errors import StoreFull, StoreUnavailable
-from kvstore.coord import layout
+from kvstore.coord import layout, settings
 from kvstore.coord.etcd import EtcdClient, client_for
 from kvstore.coord.membership import Membership, MembershipChange
-from kvstore.client.placement import Placement
+from kvstore.client.placement import Placement, View
+from kvstore.net.protocol import local_host_id
 
 __all__ = ["ClusterClient"]
 
@@ -48,7 +64,11 @@ _MAX_FANOUT = 16
 
 
 class ClusterClient:
-    """Rendezvous-placed batch operations over a cluster of store nodes (module docstring)."""
+    """Rendezvous-placed batch operations over a cluster of store nodes (module docstring).
+
+    ``on_change``, if given, is called (on a watch thread, after the view is updated) whenever
+    the nodes, their draining flags or R change; the store daemon's repair pass uses it.
+    """
 
     def __init__(
         self,
@@ -57,49 +77,70 @@ class ClusterClient:
         *,
         auth_token: str | None = None,
         timeout: float = 5.0,
-        replicas: int = 1,
         retry_after: float = 1.0,
+        read_repair: bool = True,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
-        if replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.prefix = layout.stores_prefix(cluster)  # a malformed cluster name fails here
         self.cluster = cluster
-        self.replicas = replicas
         self._auth_token = auth_token
         self._timeout = timeout
         self._retry_after = retry_after
+        self._on_change_cb = on_change
         self._lock = threading.Lock()
+        self._members: dict[str, dict[str, Any]] = {}
         self._addresses: dict[str, str] = {}
-        self._placement = Placement(())
+        self._replicas = settings.DEFAULT_REPLICAS
+        self._view = View()
         self._clients: dict[str, Client] = {}
         self._down_until: dict[str, float] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._repair = ReadRepair(self._client) if read_repair else None
         self._etcd, self._owns_etcd = client_for(etcd)
+        self._config = Membership(self._etcd, layout.config_prefix(cluster),
+                                  on_change=self._on_config)
         self._membership = Membership(self._etcd, self.prefix, on_change=self._on_change)
         try:
-            self._membership.start()  # EtcdUnavailable is a StoreUnavailable
+            self._config.start()  # EtcdUnavailable is a StoreUnavailable
+            self._membership.start()
         except BaseException:
             self._membership.close()
+            self._config.close()
             if self._owns_etcd:
                 self._etcd.close()
             raise
 
-    # -- membership -----------------------------------------------------------------------
+    # -- membership and settings ----------------------------------------------------------
+
+    def _on_config(self, change: MembershipChange) -> None:
+        replicas = settings.replicas_of(change.members.get(layout.STORE_CONFIG))
+        with self._lock:
+            changed = replicas != self._replicas
+            self._replicas = replicas
+            self._view = View(self._view.placement, self._view.draining, replicas)
+        if changed:
+            self._notify()
 
     def _on_change(self, change: MembershipChange) -> None:
-        addresses = {
-            node: str(v["address"]) for node, v in change.members.items() if v.get("address")
-        }
+        members = {n: v for n, v in change.members.items() if v.get("address")}
+        addresses = {node: str(v["address"]) for node, v in members.items()}
+        draining = frozenset(n for n, v in members.items() if v.get("draining"))
         with self._lock:
             stale = [
                 n for n, c in self._clients.items() if addresses.get(n) != self._addresses.get(n)
             ]
             dropped = [self._clients.pop(n) for n in stale]
+            self._members = members
             self._addresses = addresses
-            self._placement = Placement(addresses)
+            self._view = View(Placement(addresses), draining, self._replicas)
         for client in dropped:
             client.close()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._on_change_cb is not None:
+            self._on_change_cb()
 
     @property
     def nodes(self) -> dict[str, str]:
@@ -108,20 +149,71 @@ class ClusterClient:
             return dict(self._addresses)
 
     @property
+    def members(self) -> dict[str, dict[str, Any]]:
+        """``{node_id: registration value}`` of the live store nodes (treat as read-only)."""
+        with self._lock:
+            return dict(self._members)
+
+    @property
+    def replicas(self) -> int:
+        """R, the cluster's replica count (``kvstore config set replicas N``; 1 if unset)."""
+        return self._replicas
+
+    @property
+    def draining(self) -> frozenset[str]:
+        """The live nodes that are draining: read from, never written to."""
+        return self._view.draining
+
+    def view(self) -> View:
+        """This moment's placement, draining nodes and R (``kvstore.client.placement.View``)."""
+        return self._view
+
+    @property
+    def etcd(self) -> EtcdClient:
+        """The etcd client this ClusterClient watches with (shared; do not close it)."""
+        return self._etcd
+
+    @property
     def etcd_healthy(self) -> bool:
-        return self._membership.healthy
+        return self._membership.healthy and self._config.healthy
 
     def owners(self, key: bytes) -> list[str]:
-        """The node ids ``key`` is placed on now (ignoring reachability)."""
-        with self._lock:
-            placement = self._placement
-        return placement.owners(key, self.replicas)
+        """The node ids ``key`` is placed on now: its targets, ignoring reachability."""
+        return self._view.targets(key)
 
     def wait_for_nodes(self, n: int, timeout: float) -> bool:
         """Block until at least ``n`` store nodes are registered; False on timeout."""
         return self._membership.wait_for(lambda ms: len(ms) >= n, timeout)
 
     # -- per-node clients -----------------------------------------------------------------
+
+    def node_client(self, node_id: str) -> Client | None:
+        """The pooled ``Client`` of registered node ``node_id`` (None if it is not registered).
+
+        Shared with this ClusterClient's own calls (thread-safe, one connection); do not close
+        it. Raises ``StoreUnavailable`` when the node is registered but cannot be reached.
+        """
+        with self._lock:
+            if node_id not in self._addresses:
+                return None
+        try:
+            return self._client(node_id)
+        except StoreUnavailable:
+            if node_id not in self.nodes:
+                return None  # it left meanwhile
+            raise
+
+    @property
+    def local_node_id(self) -> str | None:
+        """The registered store node on this process's host (its registration's ``host_id`` is
+        ``local_host_id()``), whose ``Client`` uses shared memory; a non-draining one first,
+        then the smallest id. None when no node runs on this host."""
+        here = local_host_id()
+        with self._lock:
+            local = [n for n, v in self._members.items() if v.get("host_id") == here]
+            draining = self._view.draining
+        local.sort(key=lambda n: (n in draining, n))
+        return local[0] if local else None
 
     def _client(self, node: str) -> Client:
         with self._lock:
@@ -144,18 +236,18 @@ class ClusterClient:
             raise StoreUnavailable(f"store node {node} left the cluster")
         return existing
 
-    def _snapshot(self) -> tuple[Placement, set[str]]:
+    def _snapshot(self) -> tuple[View, set[str]]:
         now = time.monotonic()
         with self._lock:
-            placement = self._placement
+            view = self._view
             down = {n for n, t in self._down_until.items() if t > now}
-        if not len(placement):
+        if not len(view.placement):
             raise StoreUnavailable(
                 f"no store nodes are registered under {self.prefix} in etcd "
                 f"({', '.join(self._etcd.endpoints)}); start one with "
                 f"`kvstore serve --etcd {self._etcd.endpoints[0]} --cluster {self.cluster}`"
             )
-        return placement, down
+        return view, down
 
     def _mark_down(self, node: str) -> None:
         with self._lock:
@@ -189,31 +281,28 @@ class ClusterClient:
         futures = {node: pool.submit(one, node) for node in groups}
         return {node: f.result() for node, f in futures.items()}
 
-    @staticmethod
-    def _target(placement: Placement, key: bytes, exclude: set[str]) -> str | None:
-        """The first node of ``key``'s ranking not in ``exclude`` (None if there is none)."""
-        first = placement.owners(key)[0]
-        if first not in exclude:
-            return first
-        return next((n for n in placement.ranking(key) if n not in exclude), None)
-
     # -- reads ----------------------------------------------------------------------------
 
     def _read(
         self, keys: Sequence[bytes], call: Callable[[Client, list[int]], list[T]],
-        hit: Callable[[T], bool], miss: T,
+        hit: Callable[[T], bool], miss: T, repair: Callable[[T], bytes | None] | None = None,
     ) -> list[T]:
+        """Ask each key's ranking in order (module docstring); ``repair`` (reads that bring a
+        block) turns a hit after missing targets into a read repair: it gives the bytes to
+        write back, or None to fetch them from the node that had them."""
         out: list[T] = [miss] * len(keys)
         if not keys:
             return out
-        placement, skip = self._snapshot()
-        asked: list[set[str]] = [set() for _ in keys]  # nodes that answered "miss"
+        view, skip = self._snapshot()
+        rankings = [view.placement.ranking(k) for k in keys]
+        asked: list[list[str]] = [[] for _ in keys]  # nodes that answered "miss", in order
         pending = list(range(len(keys)))
         answered = False
+        repairs: list[RepairItem] = []
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
-                node = self._target(placement, keys[i], skip | asked[i] if asked[i] else skip)
+                node = next((n for n in rankings[i] if n not in skip and n not in asked[i]), None)
                 if node is not None:
                     groups[node].append(i)
             if not groups:
@@ -231,16 +320,28 @@ class ClusterClient:
                 for i, value in zip(idxs, result):
                     if hit(value):
                         out[i] = value
+                        if repair is not None and asked[i]:
+                            self._plan_repair(view, keys[i], node, asked[i], repair(value),
+                                              repairs)
                     else:
-                        asked[i].add(node)
-                        if len(asked[i]) < self.replicas:
+                        asked[i].append(node)
+                        if sum(n not in view.draining for n in asked[i]) < view.replicas:
                             pending.append(i)
         if not answered:
             raise StoreUnavailable(
                 f"no store node of cluster {self.cluster!r} answered "
                 f"(tried {sorted(skip)}); check that the daemons are running"
             )
+        if repairs and self._repair is not None:
+            self._repair.offer(repairs)
         return out
+
+    def _plan_repair(self, view: View, key: bytes, source: str, missed: list[str],
+                     value: bytes | None, into: list[RepairItem]) -> None:
+        targets = set(view.targets(key))
+        lacking = tuple(n for n in missed if n in targets)
+        if lacking and self._repair is not None:
+            into.append(RepairItem(bytes(key), source, lacking, value))
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
         """Copy each present block into its buffer; return which keys were found."""
@@ -249,14 +350,14 @@ class ClusterClient:
         return self._read(
             keys,
             lambda c, idxs: c.get([keys[i] for i in idxs], [buffers[i] for i in idxs]),
-            bool, False,
+            bool, False, repair=lambda _: None,
         )
 
     def get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each block as ``bytes`` (None when absent)."""
         return self._read(
             keys, lambda c, idxs: c.get_bytes([keys[i] for i in idxs]),
-            lambda v: v is not None, None,
+            lambda v: v is not None, None, repair=lambda v: v,
         )
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -273,25 +374,28 @@ class ClusterClient:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def _write(self, keys: Sequence[bytes], call: Callable[[Client, list[int]], T]) -> list[T]:
-        """Run ``call`` on each key's targets; returns the per-node results."""
+    def _write(self, keys: Sequence[bytes], call: Callable[[Client, list[int]], T],
+               draining_too: bool = False) -> list[T]:
+        """Run ``call`` on each key's targets (and on draining nodes if ``draining_too``);
+        returns the per-node results."""
         if not keys:
             return []
-        placement, skip = self._snapshot()
+        view, skip = self._snapshot()
         written: list[set[str]] = [set() for _ in keys]
         pending = list(range(len(keys)))
         results: list[T] = []
         full: StoreFull | None = None
+        extra = sorted(view.draining) if draining_too else []
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
                 exclude = skip | written[i]
-                for _ in range(self.replicas - len(written[i])):
-                    node = self._target(placement, keys[i], exclude)
-                    if node is None:
-                        break
+                need = view.replicas - len(written[i] - view.draining)
+                for node in view.targets(keys[i], exclude)[:max(0, need)]:
                     groups[node].append(i)
-                    exclude.add(node)
+                for node in extra:
+                    if node not in exclude:
+                        groups[node].append(i)
             if not groups:
                 break
             pending = []
@@ -319,34 +423,50 @@ class ClusterClient:
         return results
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
-        """Store ``values[i]`` under ``keys[i]`` on its owner(s)."""
+        """Store ``values[i]`` under ``keys[i]`` on its targets."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         self._write(keys, lambda c, idxs: c.put([keys[i] for i in idxs], [values[i] for i in idxs]))
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete blocks from their owners; returns how many stored copies were removed."""
-        return sum(self._write(keys, lambda c, idxs: c.delete([keys[i] for i in idxs])))
+        """Delete blocks from their targets and from draining nodes; returns the copies removed."""
+        return sum(self._write(keys, lambda c, idxs: c.delete([keys[i] for i in idxs]),
+                               draining_too=True))
 
     # -- admin ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """``{"cluster", "etcd_healthy", "nodes": {id: {"address", "stats" | "error"}}}``."""
+        """``{"cluster", "etcd_healthy", "replicas", "read_repair", "nodes": {id: {"address",
+        "draining", "stats" | "error"}}}``."""
         nodes: dict[str, Any] = {}
+        draining = self.draining
         for node, address in sorted(self.nodes.items()):
+            entry: dict[str, Any] = {"address": address, "draining": node in draining}
             try:
-                nodes[node] = {"address": address, "stats": self._client(node).stats()}
+                entry["stats"] = self._client(node).stats()
             except StoreUnavailable as exc:
-                nodes[node] = {"address": address, "error": str(exc)}
-        return {"cluster": self.cluster, "etcd_healthy": self.etcd_healthy, "nodes": nodes}
+                entry["error"] = str(exc)
+            nodes[node] = entry
+        return {"cluster": self.cluster, "etcd_healthy": self.etcd_healthy,
+                "replicas": self.replicas,
+                "read_repair": self._repair.counts() if self._repair is not None else None,
+                "nodes": nodes}
+
+    @property
+    def read_repair(self) -> ReadRepair | None:
+        """The read-repair writer (None when turned off): ``counts()``, ``wait_idle()``."""
+        return self._repair
 
     def close(self) -> None:
         """Stop watching etcd and close every node connection. Idempotent."""
+        if self._repair is not None:
+            self._repair.close()
         with self._lock:
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
             pool, self._pool = self._pool, None
         self._membership.close()
+        self._config.close()
         if pool is not None:
             pool.shutdown(wait=True)
         for client in clients:

@@ -14,15 +14,21 @@ Properties every client relies on (tests show each):
 
 Computing placement is local (every client watches the same member list); nothing per block
 is written to etcd.
+
+``View`` is one moment's placement as a cluster sees it: the live nodes, those of them that
+are draining, and R (``kvstore.coord.settings``). A key's *targets* (where it is written and
+kept) are the first R nodes of its ranking that are not draining; its *read order* is the
+whole ranking, draining nodes included (they still serve what they hold until they leave).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["owners", "ranking", "Placement"]
+__all__ = ["owners", "ranking", "Placement", "View"]
 
 
 def _weights(key: bytes, encoded: Sequence[tuple[bytes, str]]) -> list[tuple[int, str]]:
@@ -71,3 +77,22 @@ class Placement:
         scored = _weights(bytes(key), self._encoded)
         scored.sort(reverse=True)
         return [node for _, node in scored]
+
+
+@dataclass(frozen=True)
+class View:
+    """Placement plus the draining nodes and R (module docstring). Immutable."""
+
+    placement: Placement = field(default_factory=lambda: Placement(()))
+    draining: frozenset[str] = frozenset()
+    replicas: int = 1
+
+    def targets(self, key: bytes, exclude: Collection[str] = ()) -> list[str]:
+        """The first R nodes of ``key``'s ranking that are neither draining nor excluded."""
+        out: list[str] = []
+        for node in self.placement.ranking(key):
+            if node not in self.draining and node not in exclude:
+                out.append(node)
+                if len(out) == self.replicas:
+                    break
+        return out

@@ -5,9 +5,17 @@
     /{cluster}/stores/{node_id}      a store daemon   (kvstore serve; kvstore.daemon.cli)
     /{cluster}/workers/{worker_id}   an engine worker (kvengine serve; engine.worker.cli)
     /{cluster}/routers/{router_id}   a router         (kvrouter serve; router.server_main)
+    /{cluster}/config/{name}         cluster settings, no lease (kvstore config; kvstore.coord.settings)
+    /{cluster}/drain/{node_id}       a drain request and its progress (kvstore drain; kvstore.daemon.drain)
 
-- Each value is one JSON object, put under a lease by ``kvstore.coord.registration``; the
-  fields of each kind are in docs/architecture.md ("etcd layout").
+- Each member value is one JSON object, put under a lease by ``kvstore.coord.registration``;
+  the fields of each kind are in docs/architecture.md ("etcd layout").
+- ``config/store`` is the store's settings, one JSON object read and watched by every
+  ``ClusterClient`` and store daemon: ``{"replicas": R}`` (absent: R = 1). Written only by
+  ``kvstore config set`` and by ``kvstore serve --replicas`` when it is absent.
+- ``drain/{node_id}``: ``{"state": "requested" | "draining" | "done" | "failed", ...}``, put by
+  ``kvstore drain`` (requested) and then by the node itself; no lease, so a request waits
+  for a node that is restarting.
 - A kind's members are the keys under its prefix (``prefix(cluster, kind)``, ending in
   ``/``); a member's id is its key with the prefix removed. ``Membership`` watches a prefix.
 - ``cluster`` and ids are non-empty and contain no ``/``, so a key splits back into exactly
@@ -31,6 +39,11 @@ __all__ = [
     "stores_prefix",
     "workers_prefix",
     "routers_prefix",
+    "STORE_CONFIG",
+    "config_prefix",
+    "config_key",
+    "drain_prefix",
+    "drain_key",
 ]
 
 Kind = Literal["stores", "workers", "routers"]
@@ -77,3 +90,25 @@ def worker_key(cluster: str, worker_id: str) -> str:
 
 def router_key(cluster: str, router_id: str) -> str:
     return key(cluster, "routers", router_id)
+
+
+STORE_CONFIG = "store"
+"""The name of the store's settings under ``config/`` (``{"replicas": R}``)."""
+
+
+def config_prefix(cluster: str) -> str:
+    """``/{cluster}/config/``: every cluster setting (watch this range)."""
+    return f"/{_segment('cluster name', cluster)}/config/"
+
+
+def config_key(cluster: str, name: str = STORE_CONFIG) -> str:
+    return config_prefix(cluster) + _segment("config name", name)
+
+
+def drain_prefix(cluster: str) -> str:
+    """``/{cluster}/drain/``: drain requests, one key per node being drained."""
+    return f"/{_segment('cluster name', cluster)}/drain/"
+
+
+def drain_key(cluster: str, node_id: str) -> str:
+    return drain_prefix(cluster) + _segment("store id", node_id)

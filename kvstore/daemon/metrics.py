@@ -19,6 +19,11 @@ Exported (all prefixed ``kvstore_``):
   ``hello_timeout``, ``idle_timeout``, ``frame_timeout``.
 - ``accept_errors_total``: ``accept`` failures for want of file descriptors (EMFILE/ENFILE).
 - ``ssd_moved_aside_total``: damaged SSD tiers moved aside at start (from the store's stats).
+- Re-replication (``kvstore.daemon.repair``): ``repair_blocks_total`` and
+  ``repair_bytes_total`` (copies pushed to other nodes), ``repair_failures_total`` (copies
+  that could not be pushed), ``repair_passes_total``, gauges ``repair_pending_blocks``
+  (blocks of the running pass not yet checked; 0 between passes) and
+  ``repair_last_pass_seconds`` (duration of the last finished pass).
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ import dataclasses
 import threading
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from kvstore.node.stats import StoreStats
 
-__all__ = ["StoreMetrics"]
+__all__ = ["StoreMetrics", "RepairMetrics"]
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -76,6 +81,25 @@ class _StoreCollector(Collector):
                                 value=float(self._connections()))
 
 
+class RepairMetrics:
+    """The repair pass's progress (module docstring); a registry of its own when none is given."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.blocks = Counter("kvstore_repair_blocks", "Block copies pushed to other nodes by "
+                              "re-replication", registry=r)
+        self.bytes = Counter("kvstore_repair_bytes", "Bytes pushed to other nodes by "
+                             "re-replication", registry=r)
+        self.failures = Counter("kvstore_repair_failures", "Block copies re-replication could "
+                                "not push", registry=r)
+        self.passes = Counter("kvstore_repair_passes", "Re-replication passes finished",
+                              registry=r)
+        self.pending = Gauge("kvstore_repair_pending_blocks", "Blocks of the running "
+                             "re-replication pass not yet checked", registry=r)
+        self.last_pass = Gauge("kvstore_repair_last_pass_seconds", "Duration of the last "
+                               "finished re-replication pass", registry=r)
+
+
 class StoreMetrics:
     """The daemon's metrics. ``observe``/``transferred``/``error``/``dropped``/``accept_error``
     are called by the server;
@@ -94,6 +118,7 @@ class StoreMetrics:
                                 "by the daemon, per reason", ["reason"], registry=self.registry)
         self._accept_errors = Counter("kvstore_accept_errors", "accept() failures for want of "
                                       "file descriptors", registry=self.registry)
+        self.repair = RepairMetrics(self.registry)
         self.registry.register(_StoreCollector(stats, connections))
         self._httpd = None
         self._thread: threading.Thread | None = None

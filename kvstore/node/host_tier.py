@@ -104,6 +104,10 @@ class HostIndex:
         """Evictable keys, least recently used first (for tests and debugging)."""
         return list(self._lru)
 
+    def pinned_keys(self) -> list[BlockKey]:
+        """Committed, visible keys that are pinned now (not in the LRU: being read)."""
+        return [k for k, e in self._entries.items() if e.visible and e.pins > 0]
+
     def evictable(self) -> int:
         return len(self._lru)
 

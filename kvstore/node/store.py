@@ -293,6 +293,34 @@ class BlockStore:
         finally:
             self.unpin([key])
 
+    def held_keys(self) -> list[BlockKey]:
+        """Every stored key once, hottest first: host blocks being read, then the host LRU from
+        its most recent end, then GPU, then SSD blocks by recency (for re-replication,
+        ``kvstore.daemon.repair``). A snapshot; does not touch recency."""
+        with self._lock:
+            self._check_open()
+            out = dict.fromkeys(self._host.pinned_keys())
+            out.update(dict.fromkeys(reversed(self._host.lru_keys())))
+            if self._gpu is not None:
+                out.update(dict.fromkeys(reversed(self._gpu.lru_keys())))
+        if self._ssd is not None:
+            out.update(dict.fromkeys(reversed(self._ssd.lru_keys())))
+        return list(out)
+
+    def copy_out(self, key: BlockKey) -> bytes | None:
+        """One block's bytes for copying it to another node: a host block as ``get`` reads it,
+        an SSD-only one straight from SSD (verified; not promoted, so a re-replication pass
+        does not flush the host tier), a GPU one through ``get``. None if absent."""
+        with self._lock:
+            self._check_open()
+            e = self._host.get(key)
+            on_ssd_only = (e is None and self._ssd is not None and key in self._ssd
+                           and not (self._gpu is not None and key in self._gpu))
+        if on_ssd_only:
+            assert self._ssd is not None
+            return self._ssd.get(key)
+        return self.get(key)
+
     def contains(self, keys: Iterable[BlockKey]) -> list[bool]:
         """Which keys are stored in any tier. Does not touch recency."""
         with self._lock:
