@@ -138,17 +138,26 @@ class Host:
     _init: subprocess.Popen[bytes] | None = None
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
 
+    def command(self, argv: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        """``argv`` as a command line that runs it inside this host (``nsenter`` into its
+        namespaces, working directory ``cwd``, default this process's). nsenter execs
+        ``argv`` without forking, so the pid started is ``argv``'s own; who starts it
+        (``ChildProcess``, ``popen``) keeps its process group, signals and restarts. Whatever
+        runs in the host dies at teardown."""
+        assert self._init is not None and self._init.poll() is None, f"host {self.name} is down"
+        wd = os.fspath(cwd or os.getcwd())
+        return ["nsenter", f"--target={self._init.pid}", "--mount", "--uts", "--net",
+                f"--wd={wd}", "--", *argv]
+
     def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside this host (its netns, ``/dev/shm`` and hostname) in a process
         group of its own; ``cwd`` (default: this process's) is kept. Other keywords go to
         ``subprocess.Popen``. Teardown kills it."""
-        assert self._init is not None and self._init.poll() is None, f"host {self.name} is down"
         cwd = os.fspath(kw.pop("cwd", None) or os.getcwd())
         main = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(
-            ["nsenter", f"--target={self._init.pid}", "--mount", "--uts", "--net",
-             f"--wd={cwd}", "--", *argv],
+            self.command(argv, cwd),
             env=dict(os.environ if env is None else env), cwd=cwd, start_new_session=True,
             preexec_fn=_die_with_parent if main else None, **kw)
         self._procs.append(proc)
