@@ -49,6 +49,13 @@ if ! command -v ip >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
 fi
 
+# tests/test_systemd_units.py checks the units of deploy/systemd/ with systemd-analyze.
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    echo "[setup] installing systemd from Debian's packages (systemd-analyze, for the unit files)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq systemd >/dev/null
+fi
+
 if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then
     .venv/bin/python -m engine.model.convert --default
 fi
