@@ -1,4 +1,5 @@
-"""``kvstore``: run a store node (``serve``), inspect one (``stats``), measure one (``bench``).
+"""``kvstore``: run a store node (``serve``), inspect one (``stats``), measure one (``bench``);
+the cluster's nodes, drains and settings (``nodes``, ``drain``, ``config``: ``kvstore.daemon.admin``).
 
 ``kvstore serve`` prints one readiness line once it accepts connections::
 
@@ -13,6 +14,10 @@ It refuses to start (one line, non-zero exit) on a port in use, and on a non-loo
 On SIGTERM (or SIGINT) it stops accepting, deregisters from etcd, lets in-flight operations
 finish, closes the store (LMDB cleanly) and exits 0. Deregistering before the drain rather
 than after it keeps clients from picking a node that no longer accepts connections.
+
+With ``--etcd`` it also keeps R copies of what it holds (``kvstore.daemon.repair``) and drains
+when asked by ``kvstore drain`` (``kvstore.daemon.drain``), printing
+``kvstore drained node_id=<id>`` before it stops the same way and exits 0.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import secret, tls
+from kvstore.daemon import admin
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
 from kvstore.net.address import advertised_host, is_wildcard, join_host_port
 from kvstore.net.limits import ServerLimits
 
 if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick
     from kvstore.coord.registration import Registration
+    from kvstore.daemon.drain import Drainer
+    from kvstore.daemon.repair import Repairer
     from kvstore.daemon.metrics import StoreMetrics
     from kvstore.net.server import StoreServer
     from kvstore.node.store import BlockStore
@@ -59,17 +67,21 @@ class Daemon:
         self.server: StoreServer | None = None
         self.metrics: StoreMetrics | None = None
         self.registration: Registration | None = None
+        self.repairer: Repairer | None = None
+        self.drainer: Drainer | None = None
+        self.drained = threading.Event()  # set once a drain finished: stop() and exit
         self._thread: threading.Thread | None = None
         self.node_id: str | None = None
 
     def start(self) -> "Daemon":
         from kvstore.node.arena import remove_stale_arenas
         from kvstore.daemon.metrics import StoreMetrics
-        from kvstore.net.server import StoreServer, load_node_id, raise_nofile_limit
+        from kvstore.daemon.identity import resolve_node_id
+        from kvstore.net.server import StoreServer, raise_nofile_limit
         from kvstore.node.store import BlockStore, StoreConfig
 
         c = self.config
-        node_id = self.node_id = load_node_id(c.ssd_path)
+        node_id = self.node_id = resolve_node_id(c.ssd_path, c.node_id)
         raise_nofile_limit(c.limits.max_connections + 256)  # sockets, LMDB, the arena, logs
         remove_stale_arenas()  # of daemons that died without unlinking theirs (arena.py)
         store = self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
@@ -146,10 +158,32 @@ class Daemon:
                  "tiers": tiers}
         self.registration = register(etcd, c.cluster, "stores", node_id, value,
                                      ttl=c.registration_ttl)
+        self._start_replication(etcd, node_id, value)
+
+    def _start_replication(self, etcd: str, node_id: str, value: dict[str, Any]) -> None:
+        from kvstore.coord import settings
+        from kvstore.daemon.drain import Drainer
+        from kvstore.daemon.repair import Repairer
+
+        c = self.config
+        assert self.store is not None and self.metrics is not None and self.registration
+        self.repairer = Repairer(self.store, node_id, etcd, c.cluster, auth_token=c.auth_token,
+                                 metrics=self.metrics.repair, rate=c.repair_rate,
+                                 interval=c.repair_interval, settle=c.repair_settle).start()
+        assert self.repairer.cluster is not None
+        ec = self.repairer.cluster.etcd
+        if c.replicas is not None:
+            settings.seed(ec, c.cluster, c.replicas)
+        self.drainer = Drainer(ec, c.cluster, node_id, self.registration, value, self.repairer,
+                               on_done=self.drained.set).start()
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop_accepting()
+        for part in (self.drainer, self.repairer):
+            if part is not None:
+                part.close()
+        self.drainer = self.repairer = None
         if self.registration is not None:
             self.registration.close()  # before the drain (module docstring); never raises
             self.registration = None
@@ -207,6 +241,8 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, advertise=args.advertise,
         advertise_address=args.advertise_address,
         registration_ttl=args.registration_ttl, tls=tls.current(),
+        node_id=args.node_id, replicas=args.replicas, repair_rate=parse_size(args.repair_rate),
+        repair_interval=args.repair_interval, repair_settle=args.repair_settle,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,8 +250,10 @@ def _serve(args: argparse.Namespace) -> int:
     daemon = Daemon(config).start()
     try:
         print(daemon.ready_line(), flush=True)
-        while not stop.wait(1.0):
+        while not stop.wait(0.1) and not daemon.drained.is_set():
             pass
+        if daemon.drained.is_set():
+            print(f"kvstore drained node_id={daemon.node_id}", flush=True)
         log.info("stopping")
     finally:
         daemon.stop()
@@ -344,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=ServerConfig.registration_ttl,
                    help="etcd lease TTL: a dead node leaves etcd within it (whole seconds, "
                         f"at least 1; kept alive every TTL/3; default {ServerConfig.registration_ttl:g})")
+    admin.add_serve_flags(s)
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     s.set_defaults(fn=_serve)
 
@@ -371,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstore.certs import add_certs_command
 
     add_certs_command(sub)
+    admin.add_commands(sub)
     return p
 
 

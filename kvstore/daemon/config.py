@@ -61,6 +61,11 @@ class ServerConfig:
     in-flight operations. ``tls``: serve TLS with mutual certificates (``kvstore.tls``).
     ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
     whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
+    ``node_id`` names the node (``kvstore.daemon.identity``: kept in the SSD directory; a
+    conflict with the kept one is refused). ``replicas`` seeds the cluster's R in etcd when it
+    has none (``kvstore.coord.settings.seed``). ``repair_rate`` (bytes/s; 0: no background
+    passes), ``repair_interval`` and ``repair_settle`` (seconds) drive re-replication
+    (``kvstore.daemon.repair``).
     """
 
     memory_bytes: int
@@ -81,6 +86,11 @@ class ServerConfig:
     on_corrupt_ssd: CorruptSsdPolicy = "move-aside"
     drain_timeout: float = 10.0
     tls: TLSConfig | None = None
+    node_id: str | None = None
+    replicas: int | None = None
+    repair_rate: int = 64 << 20
+    repair_interval: float = 600.0
+    repair_settle: float = 0.5
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -106,4 +116,11 @@ class ServerConfig:
         if self.advertise_address is not None and is_wildcard(self.advertise_address):
             raise ValueError(f"--advertise-address must be an address others reach, got "
                              f"{self.advertise_address!r}")
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.repair_rate < 0 or self.repair_interval < 0 or self.repair_settle < 0:
+            raise ValueError("--repair-rate, --repair-interval and --repair-settle must not be "
+                             "negative")
+        if self.replicas is not None and not self.etcd:
+            raise ValueError("--replicas needs --etcd (it is the cluster's setting in etcd)")
         check_bind(self.host, self.auth_token, self.insecure, what="store daemon")
