@@ -191,7 +191,11 @@ class GenerateRequest:
     prefill worker computed them (its final line's ``block_keys``). A worker given them checks
     they equal its own keys for ``prompt_token_ids`` under its namespace salted by
     ``cache_salt`` and refuses the request (HTTP 409) otherwise: the two workers disagree on
-    the model or the KV layout, and loading the other's blocks would be wrong."""
+    the model or the KV layout, and loading the other's blocks would be wrong.
+
+    ``kv_source`` (optional): the store node the prefill handed the prompt's blocks to (its
+    final line's ``kv_node``); the worker reads them from that node first, the rest from
+    their owners (``engine.kv.handoff``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -200,6 +204,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     phase: Phase = "full"
     block_keys: list[BlockKey] | None = None
+    kv_source: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -207,6 +212,7 @@ class GenerateRequest:
             "output_token_ids": self.output_token_ids, "sampling": self.sampling.to_json(),
             "cache_salt": self.cache_salt, "phase": self.phase,
             "block_keys": None if self.block_keys is None else [k.hex() for k in self.block_keys],
+            "kv_source": self.kv_source,
         }
 
     @classmethod
@@ -226,6 +232,7 @@ class GenerateRequest:
             cache_salt=read_str(obj, "cache_salt", None),
             phase=read_str(obj, "phase", "full", choices=PHASES),
             block_keys=read_keys(obj, "block_keys", optional=True),
+            kv_source=read_str(obj, "kv_source", None) or None,
         )
 
 
@@ -306,16 +313,22 @@ class GenerateFinal:
 
     ``block_keys`` (a ``phase="prefill"`` request's final line only; hex on the wire): the keys
     of the prompt's full blocks, every one of them acknowledged by the store. The router
-    passes them on in the decode request (``GenerateRequest.block_keys``)."""
+    passes them on in the decode request (``GenerateRequest.block_keys``).
+
+    ``kv_node`` (a prefill's final line, when it handed its blocks off): the store node that
+    holds them, passed on as the decode request's ``kv_source``."""
 
     finish_reason: FinishReason
     stats: RequestStats = field(default_factory=RequestStats)
     block_keys: list[BlockKey] | None = None
+    kv_node: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
         if self.block_keys is not None:
             out["block_keys"] = [k.hex() for k in self.block_keys]
+        if self.kv_node is not None:
+            out["kv_node"] = self.kv_node
         return out
 
     @classmethod
@@ -325,6 +338,7 @@ class GenerateFinal:
             finish_reason=read_str(obj, "finish_reason", choices=FINISH_REASONS),
             stats=RequestStats.from_json(obj.get("stats", {})),
             block_keys=read_keys(obj, "block_keys", optional=True),
+            kv_node=read_str(obj, "kv_node", None) or None,
         )
 
 

@@ -18,6 +18,12 @@ Data path (keys and block ids; usable without an engine):
   with the next step's compute. ``flush(request_id)`` returns a future resolving to that
   request's ``SaveResult`` once every save queued for it so far is acknowledged or has failed.
 
+Handoff (``engine.kv.handoff`` is the spec): a request marked with ``require_save(rid,
+handoff=True)`` (phase "prefill") has its blocks put to this host's store node, not their
+owners, and ``flush`` names that node (``SaveResult.node``); a request given
+``set_source(rid, node)`` (a decode after such a prefill) looks its blocks up and loads them
+from that node first, the rest from the owners.
+
 Engine side: the methods of ``engine.core.connector_api.EngineConnector`` (``get_num_external_hits``,
 ``load``, ``save``, ``request_finished``) map a ``Request`` onto the data path and keep a
 per-request tally (``take_load_result``) for the request's final stats. Which requests save
@@ -30,8 +36,8 @@ thread uses ``save_client`` (pass a separate one when the client is not thread-s
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -39,9 +45,10 @@ from concurrent.futures import Future
 from dataclasses import asdict, astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from engine.kv.handoff import Placer, directory_of, source_client
+from engine.kv.saver import SaveJob, SaveResult, Saver
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
@@ -82,6 +89,10 @@ class ConnectorStats:
     save_s: float = 0.0
     save_failed_blocks: int = 0
     store_errors: int = 0
+    handoff_blocks: int = 0        # put to this host's node for a decode elsewhere to read
+    source_hit_blocks: int = 0     # loaded from a handoff's source node
+    placed_blocks: int = 0         # handed-off blocks copied on to their owners (background)
+    place_dropped_blocks: int = 0  # ... not copied (queue full, gone from the local node)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,42 +108,6 @@ class LoadResult:
     corrupt: int = 0
     bytes: int = 0
     seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class SaveResult:
-    """The saves of one request so far: acknowledged blocks, failures, bytes, busy seconds."""
-
-    saved_blocks: int = 0
-    failed_blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class _SaveJob:
-    """Blocks to put under ``keys``: ``staged`` is their ``[n, *block_shape]`` host copy, a
-    view of the pooled staging ``buffer`` (given back once the put is done)."""
-
-    request_id: str | None
-    keys: list[BlockKey]
-    staged: torch.Tensor
-    buffer: torch.Tensor
-
-
-@dataclass(slots=True)
-class _Flush:
-    """Resolve ``done`` with the request's tally once every save queued before it is done."""
-
-    request_id: str | None
-    done: Future[SaveResult]
-
-
-class _Idle:
-    """Nothing queued (ends a batch inside the saver loop)."""
-
-
-_IDLE = _Idle()
 
 
 class KVStoreConnector:
@@ -172,15 +147,21 @@ class KVStoreConnector:
         self.load_enabled = load_enabled
         self.stats = ConnectorStats()
         self._must_save: set[str] = set()
+        self._handoff: set[str] = set()              # requests whose blocks stay on this host
+        self._sources: dict[str, str] = {}           # request -> node its blocks were handed to
+        self._load_dir, self._save_dir = directory_of(client), directory_of(self.save_client)
+        self._placer = (Placer(self.save_client, self._save_dir)
+                        if self._save_dir is not None else None)
         self._loads: dict[str, LoadResult] = {}
         self._stats_lock = threading.Lock()
-        self._per_request: dict[str | None, SaveResult] = {}
-        self._queue: queue.SimpleQueue[_SaveJob | _Flush | None] = queue.SimpleQueue()  # None: stop
         self._pool = StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
         # Loads run one at a time on the engine thread: one buffer per size is enough.
         self._load_pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
                                        keep_per_size=1)
-        self._saver: threading.Thread | None = None
+        self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool, self.stats,
+                            self._stats_lock, dtype_name=self.dtype_name,
+                            block_shape=self.block_shape, payload_bytes=self.payload_bytes,
+                            encoded_bytes=self.encoded_bytes, max_batch_blocks=self.max_batch_blocks)
         self._closed = False
 
     # --- the engine's EngineConnector protocol (engine thread) --------------------------------
@@ -190,12 +171,13 @@ class KVStoreConnector:
         if not self.load_enabled:
             return 0
         start = num_device_hit_tokens // self.block_size
-        return self.lookup(req.block_keys[start:]) * self.block_size
+        return self.lookup(req.block_keys[start:], self._sources.get(req.request_id)) * self.block_size
 
     def load(self, req: Request, block_ids: Sequence[int]) -> int:
         """Load ``req``'s blocks from index ``num_computed_tokens // block_size`` on."""
         start = req.num_computed_tokens // self.block_size
-        this = self.load_blocks(req.block_keys[start : start + len(block_ids)], block_ids)
+        this = self.load_blocks(req.block_keys[start : start + len(block_ids)], block_ids,
+                                self._sources.get(req.request_id))
         prev = self._loads.get(req.request_id)
         # Loaded again after a preemption: the request's tally sums both.
         self._loads[req.request_id] = (this if prev is None else LoadResult(
@@ -204,28 +186,48 @@ class KVStoreConnector:
 
     def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
         if self.save_all or req.request_id in self._must_save:
-            self.save_blocks(keys, block_ids, request_id=req.request_id)
+            node = (self._save_dir.local_node_id if self._save_dir is not None
+                    and req.request_id in self._handoff else None)
+            self.save_blocks(keys, block_ids, request_id=req.request_id, node=node)
 
     def request_finished(self, req: Request) -> None:
-        self._must_save.discard(req.request_id)
+        self._forget_marks(req.request_id)
 
-    def require_save(self, request_id: str) -> None:
-        """Save this request's blocks even when ``save_all`` is off (a phase="prefill" request)."""
+    def require_save(self, request_id: str, handoff: bool = False) -> None:
+        """Save this request's blocks even when ``save_all`` is off (a phase="prefill" request);
+        ``handoff``: to this host's node, for the decode worker to read (module docstring)."""
         self._must_save.add(request_id)
+        if handoff:
+            self._handoff.add(request_id)
+
+    def set_source(self, request_id: str, node: str) -> None:
+        """Look up and load this request's blocks from ``node`` first (a handoff's source)."""
+        self._sources[request_id] = node
 
     def take_load_result(self, request_id: str) -> LoadResult:
         """The request's summed loads, forgotten afterwards (call once it has finished)."""
-        self._must_save.discard(request_id)
+        self._forget_marks(request_id)
         return self._loads.pop(request_id, None) or LoadResult(0, 0)
+
+    def _forget_marks(self, request_id: str) -> None:
+        self._must_save.discard(request_id)
+        self._handoff.discard(request_id)
+        self._sources.pop(request_id, None)
 
     # --- lookup and load (engine thread) -----------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` the store holds (0 when it cannot be reached)."""
+    def lookup(self, keys: Sequence[BlockKey], source: str | None = None) -> int:
+        """How many leading ``keys`` the store holds (0 when it cannot be reached); with
+        ``source``, that node's leading run continued by the owners'."""
         if not keys:
             return 0
         try:
-            n = int(self.client.prefix_len(list(keys)))
+            n = 0
+            if (src := source_client(self._load_dir, source)) is not None:
+                with contextlib.suppress(KVStoreError):
+                    n = int(src.prefix_len(list(keys)))
+            if n < len(keys):
+                n += int(self.client.prefix_len(list(keys[n:])))
         except KVStoreError as exc:
             log.warning("store lookup failed, treating as a miss: %s", exc)
             with self._stats_lock:
@@ -236,8 +238,10 @@ class KVStoreConnector:
             self.stats.lookup_hit_blocks += n
         return n
 
-    def load_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> LoadResult:
-        """Fetch ``keys`` into cache blocks ``block_ids``; return the verified leading run."""
+    def load_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
+                    source: str | None = None) -> LoadResult:
+        """Fetch ``keys`` into cache blocks ``block_ids`` (from node ``source`` first, if
+        given); return the verified leading run."""
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         n = len(keys)
@@ -247,7 +251,7 @@ class KVStoreConnector:
         buf = self._load_pool.take(n)  # pinned on CUDA; rows past n are unused
         # An exception leaves the buffer to the garbage collector (torch's pinned allocator
         # waits for any copy still reading it); a normal return gives it back.
-        good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids)
+        good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids, source)
         self._load_pool.give(buf, ready)
         seconds = time.perf_counter() - t0
         nbytes = good * self.payload_bytes
@@ -259,15 +263,33 @@ class KVStoreConnector:
             self.stats.corrupt_blocks += corrupt
         return LoadResult(good, n, missing=missing, corrupt=corrupt, bytes=nbytes, seconds=seconds)
 
+    def _get(self, keys: list[BlockKey], dests: list[Any], source: str | None) -> list[bool]:
+        """``client.get``, but from node ``source`` first and only its misses from the owners."""
+        src = source_client(self._load_dir, source)
+        if src is None:
+            return self.client.get(keys, dests)
+        try:
+            found = src.get(keys, dests)
+        except KVStoreError:
+            found = [False] * len(keys)
+        with self._stats_lock:
+            self.stats.source_hit_blocks += sum(found)
+        miss = [i for i, f in enumerate(found) if not f]
+        if miss:
+            for i, f in zip(miss, self.client.get([keys[i] for i in miss], [dests[i] for i in miss])):
+                found[i] = f
+        return found
+
     def _fetch_verify_copy(
-        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int]
+        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],
+        source: str | None = None,
     ) -> tuple[int, int, int, torch.cuda.Event | None]:
         """Get ``keys`` into ``buf``'s rows, verify, copy the verified leading run into the
         cache. Returns (loaded, missing, corrupt, the CUDA event after the copy or None)."""
         n = len(keys)
         rows = buf.numpy()
         try:
-            found = self.client.get(list(keys), [rows[i] for i in range(n)])
+            found = self._get(list(keys), [rows[i] for i in range(n)], source)
         except KVStoreError as exc:
             log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
             with self._stats_lock:
@@ -311,8 +333,9 @@ class KVStoreConnector:
     # --- save (engine thread enqueues, saver thread puts) ------------------------------------
 
     def save_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
-                    request_id: str | None = None) -> None:
-        """Queue cache blocks ``block_ids`` for the store under ``keys``.
+                    request_id: str | None = None, node: str | None = None) -> None:
+        """Queue cache blocks ``block_ids`` for the store under ``keys`` (to node ``node``, a
+        handoff, when given and reachable; else to their owners).
 
         The blocks are copied before this returns; encoding and the put happen on the saver
         thread. Failures are counted (and reported by ``flush``), never raised here.
@@ -323,7 +346,6 @@ class KVStoreConnector:
             return
         if self._closed:
             raise RuntimeError("KVStoreConnector is closed")
-        self._ensure_saver()
         n = len(keys)
         buf = self._pool.take(n)
         staged = buf[:n]
@@ -333,7 +355,7 @@ class KVStoreConnector:
         else:  # strided per-block copies straight into the staging rows (no temporary)
             for i, b in enumerate(block_ids):
                 staged[i].copy_(self.kv_cache[:, :, b])
-        self._queue.put(_SaveJob(request_id, list(keys), staged, buffer=buf))
+        self._saver.put(SaveJob(request_id, list(keys), staged, buffer=buf, node=node))
 
     def flush(self, request_id: str | None = None) -> Future[SaveResult]:
         """A future resolving to ``request_id``'s ``SaveResult`` once its queued saves are done.
@@ -341,13 +363,7 @@ class KVStoreConnector:
         The saver is FIFO, so the marker resolves after every save queued before it. The
         request's tally is handed over and forgotten.
         """
-        fut: Future[SaveResult] = Future()
-        if self._saver is None:
-            with self._stats_lock:
-                fut.set_result(self._per_request.pop(request_id, SaveResult()))
-            return fut
-        self._queue.put(_Flush(request_id, fut))
-        return fut
+        return self._saver.flush(request_id)
 
     def forget(self, request_id: str | None) -> None:
         """Drop the tally of a request nobody will flush (an abort)."""
@@ -358,109 +374,14 @@ class KVStoreConnector:
         if self._closed:
             return
         self._closed = True
-        if self._saver is not None:
-            self._queue.put(None)
-            self._saver.join(timeout)
+        self._saver.close(timeout)
+        if self._placer is not None:
+            self._placer.close(timeout)
 
     def stats_snapshot(self) -> ConnectorStats:
         with self._stats_lock:
-            return ConnectorStats(**asdict(self.stats))
-
-    def _ensure_saver(self) -> None:
-        if self._saver is None:
-            self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
-            self._saver.start()
-
-    def _save_loop(self) -> None:
-        out = np.empty((self.max_batch_blocks, self.encoded_bytes), dtype=np.uint8)
-        while True:
-            item: _SaveJob | _Flush | _Idle | None = self._queue.get()
-            batch: list[_SaveJob] = []
-            n = 0
-            # Coalesce queued saves into one put, up to the batch limit; a flush marker or
-            # the stop sentinel ends the batch (and is handled after it).
-            while isinstance(item, _SaveJob):
-                batch.append(item)
-                n += len(item.keys)
-                if n >= self.max_batch_blocks:
-                    item = _IDLE
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = _IDLE
-            if batch:
-                self._put_batch(batch, out)
-                for job in batch:
-                    self._pool.give(job.buffer)
-            if item is None:
-                return
-            if isinstance(item, _Flush):
-                with self._stats_lock:
-                    result = self._per_request.pop(item.request_id, SaveResult())
-                item.done.set_result(result)
-
-    def _put_batch(self, batch: list[_SaveJob], out: np.ndarray) -> None:
-        # A single job may exceed the batch limit: split it into chunks.
-        chunks: list[tuple[_SaveJob, int, int]] = []
-        for job in batch:
-            for lo in range(0, len(job.keys), self.max_batch_blocks):
-                chunks.append((job, lo, min(len(job.keys), lo + self.max_batch_blocks)))
-        i = 0
-        while i < len(chunks):
-            group: list[tuple[_SaveJob, int, int]] = []
-            n = 0
-            while i < len(chunks) and n + chunks[i][2] - chunks[i][1] <= self.max_batch_blocks:
-                group.append(chunks[i])
-                n += chunks[i][2] - chunks[i][1]
-                i += 1
-            self._put_group(group, out)
-
-    def _put_group(self, group: list[tuple[_SaveJob, int, int]], out: np.ndarray) -> None:
-        t0 = time.perf_counter()
-        all_keys = [k for job, lo, hi in group for k in job.keys[lo:hi]]
-        ok = True
-        keys: list[BlockKey] = []
-        sent: list[int] = []  # blocks shipped per group entry
-        try:
-            # Device-hit blocks are offered again in case the store lost them: send only those
-            # it lacks (one round trip instead of encoding and shipping the bytes).
-            present = self.save_client.contains(all_keys)
-            values: list[np.ndarray] = []
-            pos = 0
-            for job, lo, hi in group:
-                sent.append(0)
-                raw = job.staged[lo:hi].view(torch.uint8).reshape(hi - lo, self.payload_bytes).numpy()
-                for j in range(hi - lo):
-                    if not present[pos]:
-                        row = out[len(keys)]
-                        codec.encode_into(row, job.keys[lo + j], self.dtype_name,
-                                          self.block_shape, raw[j])
-                        keys.append(job.keys[lo + j])
-                        values.append(row)
-                        sent[-1] += 1
-                    pos += 1
-            if keys:
-                self.save_client.put(keys, values)
-        except KVStoreError as exc:
-            ok = False
-            log.warning("store save of %d blocks failed; they will be recomputed on a miss: %s",
-                        len(all_keys), exc)
-        seconds = time.perf_counter() - t0
-        n = len(all_keys)
-        with self._stats_lock:
-            if ok:
-                self.stats.saved_blocks += n
-                self.stats.saved_bytes += len(keys) * self.payload_bytes
-            else:
-                self.stats.save_failed_blocks += n
-                self.stats.store_errors += 1
-            self.stats.save_s += seconds
-            for i, (job, lo, hi) in enumerate(group):
-                tally = self._per_request.setdefault(job.request_id, SaveResult())
-                if ok:
-                    tally.saved_blocks += hi - lo
-                    tally.bytes += sent[i] * self.payload_bytes
-                else:
-                    tally.failed_blocks += hi - lo
-                tally.seconds += seconds * (hi - lo) / n
+            out = ConnectorStats(**asdict(self.stats))
+        if self._placer is not None:
+            placed = self._placer.snapshot()
+            out.placed_blocks, out.place_dropped_blocks = placed.placed_blocks, placed.dropped_blocks
+        return out

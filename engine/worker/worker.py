@@ -10,7 +10,10 @@ Contract:
   ``loop.call_soon_threadsafe(queue.put_nowait, item)``). The final line comes last, once the
   connector has acknowledged the request's saves; a phase="prefill" request's first token is
   held back until then too (the handoff: every full block is in the store), and its final
-  line carries the prompt's full-block keys (``GenerateFinal.block_keys``).
+  line carries the prompt's full-block keys (``GenerateFinal.block_keys``). With ``handoff``
+  (the default) those blocks go to this host's store node and the final line names it
+  (``kv_node``); a request that carries ``kv_source`` loads from that node first
+  (``engine.kv.handoff``).
 - A request that carries ``block_keys`` (a decode handoff) is admitted only if they equal the
   engine's own keys for the prompt; otherwise ``submit``'s future fails with
   ``BlockKeyMismatch`` (the server answers 409).
@@ -128,8 +131,10 @@ class EngineWorker:
         *,
         connector: KVStoreConnector | None = None,
         load_interval_s: float = 0.5,
+        handoff: bool = True,
     ) -> None:
         self.engine = engine
+        self.handoff = handoff          # a prefill's blocks to this host's node (engine.kv.handoff)
         self.runner = runner
         self.events = events
         self.metrics = metrics
@@ -251,17 +256,21 @@ class EngineWorker:
                     f"request {request.request_id!r}: prompt ({len(request.prompt_token_ids)} "
                     f"tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
                     f"the context window of {self.engine.max_model_len} tokens")
+            if request.kv_source is not None and self.connector is not None:
+                self.connector.set_source(request.request_id, request.kv_source)
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                     output_token_ids=request.output_token_ids,
                                     cache_salt=request.cache_salt,
                                     block_keys=request.block_keys)
         except ValueError as exc:
+            if self.connector is not None:
+                self.connector.take_load_result(request.request_id)   # forget its marks
             reason = "block_keys" if isinstance(exc, BlockKeyMismatch) else "bad_request"
             self.metrics.rejected.labels(reason).inc()
             fut.set_exception(exc)
             return
         if request.phase == "prefill" and self.connector is not None:
-            self.connector.require_save(request.request_id)
+            self.connector.require_save(request.request_id, handoff=self.handoff)
         stream = _Stream(request, sink)
         if request.phase == "prefill":
             stream.prompt_keys = self.engine.prompt_block_keys(request.request_id)
@@ -333,7 +342,8 @@ class EngineWorker:
                 if result.failed_blocks:
                     log.warning("request %s: %d blocks could not be saved; the decode worker "
                                 "will recompute them", rid, result.failed_blocks)
-            self._close(rid, stream, GenerateFinal(reason, stats, stream.prompt_keys))
+            self._close(rid, stream, GenerateFinal(reason, stats, stream.prompt_keys,
+                                                   result.node if stream.prompt_keys else None))
 
         self.connector.flush(rid).add_done_callback(saved)
 

@@ -16,7 +16,9 @@ Where a choice starts is its :class:`~router.placement.route.Plan`:
   ``plan.first`` gives the first token and the prompt's block keys once every full prompt
   block is in the store; then ``phase="decode"`` on a decode worker with
   ``output_token_ids=[first]`` and those ``block_keys`` (the decode worker refuses them with
-  409, ``KeyMismatch``, if its own keys differ) streams the rest.
+  409, ``KeyMismatch``, if its own keys differ) and ``kv_source`` = the prefill's ``kv_node``
+  (the store node on the prefill's host that holds the blocks: the decode reads them there,
+  one hop; ``engine.kv.handoff``) streams the rest. A resume keeps the same source.
 - ``"full"`` (colocated, auto-local): one worker prefills and decodes.
 
 Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
@@ -127,6 +129,7 @@ class ChoiceRun:
     finish_reason: FinishReason | None = None
     sent: list[int] = field(default_factory=list)
     block_keys: list[BlockKey] | None = None       # the prefill's prompt block keys, for the decode
+    kv_source: str | None = None                   # the store node the prefill handed them to
     stats: list[RequestStats] = field(default_factory=list)   # each successful phase's
     _next: Phase | None = None
     _next_worker: WorkerHandle | None = None
@@ -178,7 +181,8 @@ class ChoiceRun:
                 blocks=blocks_needed(len(prompt) + len(self.sent), remaining, worker.info.block_size))
         request = GenerateRequest(self.request.request_id, prompt, self.request.sampling,
                                   list(self.sent), self.request.cache_salt, phase,
-                                  block_keys=self.block_keys if phase == "decode" else None)
+                                  block_keys=self.block_keys if phase == "decode" else None,
+                                  kv_source=self.kv_source if phase == "decode" else None)
         self._next = self._next_worker = None
         self._live[worker.worker_id] = worker
         if self.hooks.on_route:
@@ -217,7 +221,7 @@ class ChoiceRun:
             self.record.mark("decode_end")
             return []
         self.record.mark("prefill_end")
-        self.block_keys = final.block_keys
+        self.block_keys, self.kv_source = final.block_keys, final.kv_node
         for chunk in run.held:
             self.sent.extend(chunk.token_ids)
         if final.finish_reason == "stop" or len(self.sent) >= self.request.sampling.max_tokens:

@@ -1,0 +1,147 @@
+"""The one-hop prefill→decode handoff: where a prefill's blocks go, where a decode reads them.
+
+Rendezvous placement (the cluster client's ``put``) files every block at its owners, usually
+another host's node, and the decode worker reads it from there: two network hops a block
+when neither worker shares a host with the owner. Mooncake keeps the prefill's copy where it
+was made and moves it once. So do we:
+
+- A ``phase="prefill"`` request's new blocks are put to the store node on the prefill
+  worker's own host (``local_node_id`` of the cluster client: shared memory, no network).
+  Its final line names that node (``GenerateFinal.kv_node``); the router passes it on
+  (``GenerateRequest.kv_source``), and the decode worker looks the request's blocks up and
+  reads them from that node first (one TCP transfer, none when it shares the host), whatever
+  it lacks from the owners, and recomputes what neither has.
+- Reuse across the cluster still follows rendezvous: :class:`Placer` copies every handed-off
+  block to its owners in the background, off the request path (the ones they lack, read back
+  from the local node over shared memory). Its queue is bounded: a batch that does not fit
+  is dropped and counted (those blocks stay on the local node only; a later request that
+  computes them again puts them at their owners).
+- No node on this host (one ``--store`` daemon elsewhere, or none here), or a local put that
+  fails: the blocks go to their owners as before and the final line names no node. A source
+  node that left or cannot be reached is a miss there, never an error.
+
+``NodeDirectory`` is what the store client must offer for this (``ClusterClient`` does); a
+client that does not (a single ``Client``) gets rendezvous placement only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvstore.client.api import StoreClient
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+
+__all__ = ["NodeDirectory", "Placer", "PlacerStats", "directory_of", "source_client"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class NodeDirectory(Protocol):
+    """A store client that can name this host's node and reach one node directly."""
+
+    @property
+    def local_node_id(self) -> str | None: ...
+
+    def node_client(self, node_id: str) -> StoreClient | None: ...
+
+
+def directory_of(client: StoreClient) -> NodeDirectory | None:
+    """``client`` as a :class:`NodeDirectory`, or None when it is one node's client."""
+    return client if isinstance(client, NodeDirectory) else None
+
+
+def source_client(directory: NodeDirectory | None, node_id: str | None) -> StoreClient | None:
+    """The client of node ``node_id`` (a handoff's source), or None when there is none to ask:
+    no directory, no node named, the node is not registered or cannot be reached."""
+    if directory is None or node_id is None:
+        return None
+    try:
+        return directory.node_client(node_id)
+    except KVStoreError as exc:
+        log.info("handoff source node %s cannot be reached (%s); reading from the owners",
+                 node_id, exc)
+        return None
+
+
+@dataclass(slots=True)
+class PlacerStats:
+    """Cumulative: blocks copied to their owners, found there already, dropped (queue full or
+    read back failed), and failed batches."""
+
+    placed_blocks: int = 0
+    present_blocks: int = 0
+    dropped_blocks: int = 0
+    failed_batches: int = 0
+
+
+class Placer:
+    """Copies handed-off blocks from ``node`` to their rendezvous owners on a thread of its own
+    (module docstring). ``submit`` never blocks; ``close`` finishes what is queued."""
+
+    def __init__(self, cluster: StoreClient, directory: NodeDirectory, *,
+                 max_batches: int = 256) -> None:
+        self.cluster, self.directory = cluster, directory
+        self.stats = PlacerStats()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, list[BlockKey]] | None] = queue.Queue(max_batches)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, node: str, keys: Sequence[BlockKey]) -> bool:
+        """Queue ``keys`` (held by ``node``) for their owners; False when the queue is full."""
+        if not keys:
+            return True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kv-placer", daemon=True)
+            self._thread.start()
+        try:
+            self._queue.put_nowait((node, list(keys)))
+            return True
+        except queue.Full:
+            with self._lock:
+                self.stats.dropped_blocks += len(keys)
+            return False
+
+    def snapshot(self) -> PlacerStats:
+        with self._lock:
+            return PlacerStats(self.stats.placed_blocks, self.stats.present_blocks,
+                               self.stats.dropped_blocks, self.stats.failed_batches)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            node, keys = item
+            try:
+                self._place(node, keys)
+            except KVStoreError as exc:
+                log.info("copying %d handed-off blocks to their owners failed: %s", len(keys), exc)
+                with self._lock:
+                    self.stats.failed_batches += 1
+                    self.stats.dropped_blocks += len(keys)
+
+    def _place(self, node: str, keys: list[BlockKey]) -> None:
+        present = self.cluster.contains(keys)
+        missing = [k for k, p in zip(keys, present) if not p]
+        placed = dropped = 0
+        if missing:
+            src = self.directory.node_client(node)
+            values = src.get_bytes(missing) if src is not None else [None] * len(missing)
+            found = [(k, v) for k, v in zip(missing, values) if v is not None]
+            if found:
+                self.cluster.put([k for k, _ in found], [v for _, v in found])
+            placed, dropped = len(found), len(missing) - len(found)
+        with self._lock:
+            self.stats.placed_blocks += placed
+            self.stats.dropped_blocks += dropped
+            self.stats.present_blocks += len(keys) - len(missing)
