@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from kvstore import secret
+from kvstore import secret, tls
 
 __all__ = ["add_serve_flags", "add_commands"]
 
@@ -55,6 +55,7 @@ def _cluster_flags(c: argparse.ArgumentParser, secrets: bool = False) -> None:
                    help="etcd endpoints URL (default http://127.0.0.1:2379)")
     c.add_argument("--cluster", default="kvstore", help="cluster name (etcd key prefix)")
     c.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    tls.add_tls_flags(c)
     if secrets:
         secret.add_secret_flags(c, server=False)
         c.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
