@@ -16,6 +16,14 @@
   (console line, ``kvrouter_up_child_restarts_total`` on ``--metrics-port``). Only Ctrl-C or
   SIGTERM stops the cluster: every child (process groups), then exit 0.
 
+TLS (``kvstore.tls``): ``--tls-cert``/``--tls-key``/``--tls-ca`` (or ``$KVCACHE_TLS_*``) on
+``serve`` put the router's calls to workers, the store and etcd on TLS with mutual
+certificates; its public endpoint takes its own ``--public-tls-cert``/``--public-tls-key``
+(HTTPS without client certificates: the API key authenticates callers). On ``up`` the same
+flags, or ``--tls-dir DIR`` (a CA and a node certificate made there unless present:
+``kvstore.certs``), put etcd (``https://``, client certificates required), the store, the
+workers and the router's internal calls on TLS; the router's public endpoint stays HTTP.
+
 Every flag feeds one typed config (``RouterConfig`` / ``ClusterSpec``), validated once.
 """
 
@@ -49,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.placement.prefill import PREFILL_POLICIES
 
     d = RouterConfig(model_dir="default")
-    from kvstore.secret import add_secret_flags
+    from kvstore.tls import add_tls_flags
     from kvstore.version import installed_version
 
     p = argparse.ArgumentParser(prog="kvrouter", description=(__doc__ or "kvrouter").split("\n")[0])
@@ -85,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {d.max_body_bytes})")
     s.add_argument("--log-level", default="info", help="debug, info, warning or error (default info)")
     add_secret_flags(s, server=False)
+    add_tls_flags(s)
+    s.add_argument("--public-tls-cert", default=None, metavar="PEM",
+                   help="serve the public API over HTTPS with this certificate (with "
+                        "--public-tls-key; no client certificate asked; default: plain HTTP)")
+    s.add_argument("--public-tls-key", default=None, metavar="PEM", help="its private key")
 
     u = sub.add_parser("up", help="run etcd, a store, workers and the router locally")
     u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
@@ -107,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-dir", default=None,
                    help="children's logs, the cluster secret file and cluster.json (default: a temp dir)")
     add_secret_flags(u, server=False)
+    add_tls_flags(u)
+    u.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help="TLS with mutual certificates between every part (etcd included): a CA "
+                        "and a node certificate in DIR, made there unless present (instead of "
+                        "--tls-cert/--tls-key/--tls-ca)")
     u.add_argument("--no-cluster-secret", action="store_true",
                    help="start the children without a cluster secret (default: use the one given, "
                         "else generate one for this cluster)")
@@ -133,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- kvrouter serve ------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvstore import tls
     from kvstore.secret import SecretError, resolve
     from router.config import RouterConfig
     from router.cluster.launcher import LaunchError, resolve_model_dir
@@ -149,10 +168,24 @@ def _serve(args: argparse.Namespace) -> int:
             max_inflight_requests=args.max_inflight, api_key=args.api_key or None,
             request_log=args.request_log, max_body_bytes=args.max_body_bytes,
             cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file))
-    except (LaunchError, SecretError, ValueError) as exc:
+        tls.configure(tls.from_args(args))   # its calls to workers, the store and etcd
+        public_tls = _public_tls(args)
+    except (LaunchError, SecretError, ValueError) as exc:   # TLSError is a ValueError
         print(f"kvrouter: {exc}", file=sys.stderr)
         return 2
-    return run_router(config, log_level=args.log_level)
+    return run_router(config, log_level=args.log_level, public_tls=public_tls)
+
+
+def _public_tls(args: argparse.Namespace) -> tuple[str, str] | None:
+    cert, key = args.public_tls_cert, args.public_tls_key
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("--public-tls-cert and --public-tls-key go together")
+    for path, flag in ((cert, "--public-tls-cert"), (key, "--public-tls-key")):
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"cannot read {flag} {path!r}")
+    return cert, key
 
 
 # --- kvrouter up ---------------------------------------------------------------------------
@@ -187,13 +220,22 @@ def usage_banner(url: str, model: str, api_key: str | None) -> str:
 def _up(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvstore import secret as cluster_secret
+    from kvstore import secret as cluster_secret, tls
     from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
     from router.cluster.supervisor import Supervisor, SupervisorMetrics, serve_metrics
 
     try:
         secret = None if args.no_cluster_secret else cluster_secret.resolve(
             args.cluster_secret, args.cluster_secret_file)
+        tls_config = tls.from_args(args)
+        if args.tls_dir:
+            if tls_config is not None:
+                raise ValueError("--tls-dir or --tls-cert/--tls-key/--tls-ca, not both")
+            from kvstore.certs import make_certs
+
+            made = os.path.isfile(os.path.join(args.tls_dir, "node.pem"))
+            tls_config = (tls.TLSConfig.from_dir(args.tls_dir).check() if made
+                          else make_certs(args.tls_dir)["node"])
         spec = ClusterSpec(
             port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
             mode=args.mode, policy=args.policy, auto_threshold=args.auto_threshold,
@@ -203,8 +245,9 @@ def _up(args: argparse.Namespace) -> int:
             request_log=args.request_log, log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg),
             prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-            colocated_cpus=args.colocated_cpus)
-    except ValueError as exc:   # SecretError is one
+            colocated_cpus=args.colocated_cpus, tls=tls_config)
+        tls.configure(tls_config)   # the launcher's own calls to etcd and the router
+    except ValueError as exc:   # SecretError and TLSError are ones
         print(f"kvrouter up: {exc}", file=sys.stderr)
         return 2
 

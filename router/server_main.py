@@ -11,6 +11,12 @@ and the per-request JSONL log. The store client and the worker calls carry
 or SIGINT stop it gracefully (uvicorn's own handling); the registration, the store client and
 the request log are closed on the way out.
 
+TLS: the router's internal calls (workers, the store, etcd) use the process's settings
+(``kvstore.tls.current()``, from ``--tls-*``). Its public endpoint is separate: plain HTTP
+unless ``public_tls`` (``--public-tls-cert``/``--public-tls-key``) gives it a certificate;
+public clients are authenticated by the API key, not by certificates, so none is asked of
+them. Its etcd registration then says ``https://``.
+
 Exit codes: 0 after a clean stop, 2 when it cannot start (tokenizer missing, etcd
 unreachable, the app's start-up failing: uvicorn then returns without having started), with
 one line naming the problem.
@@ -121,8 +127,10 @@ def _uvicorn_server(config: Any) -> Any:
     return Server(config)
 
 
-def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+def run_router(config: RouterConfig, *, log_level: str = "info",
+               public_tls: tuple[str, str] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code. ``public_tls``: (certificate, key)
+    files of the public endpoint's HTTPS (module docstring)."""
     import uvicorn
 
     from kvstore.coord.registration import register
@@ -138,14 +146,16 @@ def run_router(config: RouterConfig, *, log_level: str = "info") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))
         host, port = sock.getsockname()[:2]
+        scheme = "https" if public_tls else "http"
         if config.etcd:
             router_id = f"router-{uuid.uuid4().hex[:8]}"
             registration = register(config.etcd, config.cluster, "routers", router_id, {
-                "address": f"http://{host}:{port}", "mode": config.mode, "policy": config.policy,
+                "address": f"{scheme}://{host}:{port}", "mode": config.mode, "policy": config.policy,
                 "model_dir": config.model_dir})
+        ssl: dict[str, Any] = {"ssl_certfile": public_tls[0], "ssl_keyfile": public_tls[1]} if public_tls else {}
         server = _uvicorn_server(uvicorn.Config(parts.app, log_level=log_level.lower(),
-                                                access_log=False, timeout_graceful_shutdown=5))
-        log.info("serving on http://%s:%d (mode %s, policy %s)", host, port, config.mode,
+                                                access_log=False, timeout_graceful_shutdown=5, **ssl))
+        log.info("serving on %s://%s:%d (mode %s, policy %s)", scheme, host, port, config.mode,
                  config.policy)
         try:
             server.run(sockets=[sock])

@@ -14,6 +14,11 @@ The cluster secret (``kvstore.secret``: ``--cluster-secret-file``, ``--cluster-s
 ``$KVCACHE_CLUSTER_SECRET``, ``$KVCACHE_CLUSTER_SECRET_FILE``, first found wins) guards the
 worker API and is what the store client authenticates with; without one the store client
 reads ``$KVSTORE_AUTH_TOKEN`` as before.
+
+TLS (``kvstore.tls``: ``--tls-cert``/``--tls-key``/``--tls-ca``, else ``$KVCACHE_TLS_*``): the
+worker API is served over HTTPS and requires a client certificate of the CA (the router's);
+its address (the ready line, etcd, ``/info``) is then ``https://``; the store client and the
+etcd client use the same certificate.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from engine.worker.config import WorkerConfig, resolve_model_dir
 from kvstore.net.address import advertised_host, join_host_port
+from kvstore import tls as tls_settings
 from kvstore.secret import add_secret_flags, is_loopback, resolve
 
 if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds running requests get to finish on SIGTERM (default {d.drain_timeout_s:g})")
     s.add_argument("--log-level", default="warning", help="debug, info, warning or error (default warning)")
     add_secret_flags(s)
+    tls_settings.add_tls_flags(s)
     return p
 
 
@@ -173,9 +180,10 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
     worker = EngineWorker(engine, runner, events, metrics, connector=connector,
                           load_interval_s=cfg.load_interval_s)
     host, port = sock.getsockname()[:2]
+    scheme = "https" if tls_settings.current() else "http"
     info = WorkerInfo(
         worker_id=cfg.resolved_worker_id(),
-        address=f"http://{join_host_port(advertised_host(host, cfg.advertise_host), port)}",
+        address=f"{scheme}://{join_host_port(advertised_host(host, cfg.advertise_host), port)}",
         role=cfg.role, model=model_dir.name, namespace=engine.namespace,
         block_size=cfg.block_size, kv_capacity_blocks=cfg.num_blocks,
         max_model_len=engine.max_model_len,
@@ -191,10 +199,13 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
 
 
 class _Server:
-    """uvicorn without its own signal handling (the worker drains first, then stops it)."""
+    """uvicorn without its own signal handling (the worker drains first, then stops it);
+    HTTPS with required client certificates under the process's TLS settings."""
 
     def __init__(self, app: FastAPI, log_level: str) -> None:
         import uvicorn
+
+        tls = tls_settings.current()
 
         class Quiet(uvicorn.Server):
             @contextlib.contextmanager
@@ -202,7 +213,8 @@ class _Server:
                 yield
 
         self.server = Quiet(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                           timeout_graceful_shutdown=5, access_log=False))
+                                           timeout_graceful_shutdown=5, access_log=False,
+                                           **(tls.uvicorn_kwargs() if tls else {})))
 
 
 def _attention_path(kv_cache: torch.Tensor) -> str:
@@ -286,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        tls_settings.configure(tls_settings.from_args(args))  # every connection it makes
         return serve(cfg, args.log_level)
     except (_StartupError, ValueError) as exc:
         print(f"kvengine {args.command}: {exc}", file=sys.stderr)

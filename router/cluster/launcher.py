@@ -18,6 +18,10 @@ the ``with`` block) ends them in reverse order. Guarantees:
   child as ``$KVCACHE_CLUSTER_SECRET_FILE`` (never on a command line: ``ps`` shows those);
   the launcher's own ``$KVCACHE_CLUSTER_SECRET`` is not handed on, so the file wins.
   The file goes at ``stop()``.
+- TLS (``spec.tls``, ``kvstore.tls``): etcd serves https and requires client certificates,
+  and every child gets the settings through ``$KVCACHE_TLS_CERT``/``_KEY``/``_CA`` (paths):
+  the store, the workers (https) and the router's internal calls are then TLS with mutual
+  certificates; the router's public endpoint stays plain HTTP.
 - ``{log_dir}/cluster.json`` says what runs now (URLs, each child's pid, address, id,
   state, restarts), rewritten on every change; benchmarks read it.
 - Nothing restarts here: :class:`~router.cluster.supervisor.Supervisor` does, over
@@ -50,6 +54,7 @@ from kvstore import secret as cluster_secret
 from kvstore.errors import KVStoreError
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
+from kvstore.tls import TLSConfig
 from router.cluster.child import ChildProcess, free_port, parse_cpus, port_taken
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
@@ -108,6 +113,7 @@ class ClusterSpec:
     api_key: str | None = None
     cluster_secret: str | None = None    # None: a fresh one per cluster (unless insecure)
     insecure: bool = False               # no cluster secret at all (loopback only)
+    tls: TLSConfig | None = None         # mutual TLS between every part (kvstore.tls)
     request_log: str | None = None
     log_dir: str | None = None
     ready_timeout: float = 180.0
@@ -184,6 +190,10 @@ class LocalCluster:
             self.secret_file = cluster_secret.write_secret_file(self.log_dir / SECRET_FILE_NAME, self.secret)
             self.on_status(f"cluster secret in {self.secret_file} (0600; children read it "
                            f"through ${cluster_secret.ENV_FILE})")
+        if spec.tls is not None:   # the launcher's own calls (etcd's /health) present it too
+            self._http.close()
+            self._http = httpx.Client(timeout=2.0, trust_env=False, verify=spec.tls.client_context())
+            self.on_status(f"TLS with mutual certificates of {spec.tls.ca} between every part")
         if self.etcd_url is None:
             self._start_etcd()
         self._start_store()
@@ -292,6 +302,8 @@ class LocalCluster:
         env = dict(env or {})
         if self.secret_file is not None:   # a path, not the value: nothing in argv or env to read
             env[cluster_secret.ENV_FILE] = str(self.secret_file)
+        if self.spec.tls is not None:       # paths too (kvstore.tls)
+            env.update(self.spec.tls.environ())
         child = ChildProcess(name, argv, self.log_dir / f"{name}.log", env, cpus, kind=kind,
                              address=address, ready_pattern=ready_pattern,
                              unset_env=(cluster_secret.ENV, cluster_secret.ENV_FILE))
@@ -306,13 +318,18 @@ class LocalCluster:
     def _start_etcd(self) -> None:
         etcd = shutil.which("etcd") or "/usr/bin/etcd"
         client_port, peer_port = free_port(), free_port()
-        url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+        tls = self.spec.tls
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
+        peer = f"http://127.0.0.1:{peer_port}"   # one member: no peer traffic
         assert self._tmp is not None
+        tls_args = ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca,
+                    "--client-cert-auth"] if tls else []
         child = self._spawn("etcd", "etcd", [
             etcd, "--name", "kvlocal", "--data-dir", str(Path(self._tmp) / "etcd-data"),
             "--listen-client-urls", url, "--advertise-client-urls", url,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvlocal={peer}", "--logger", "zap", "--log-level", "warn"], url)
+            "--initial-cluster", f"kvlocal={peer}", *tls_args, "--logger", "zap",
+            "--log-level", "warn"], url)
         self._wait(child, lambda: self.is_ready(child))
         self.etcd_url = url
         self.on_status(f"etcd ready at {url}")
@@ -335,7 +352,7 @@ class LocalCluster:
         cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus,
                      "colocated": spec.colocated_cpus}[role]
         cpus = parse_cpus(cpus_text) if cpus_text else None
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if spec.tls else 'http'}://127.0.0.1:{port}"
         child = self._spawn(name, role, self._py(
             "engine.worker.cli", "serve", "--role", role, "--model", str(self.model_dir),
             "--port", str(port), "--etcd", self._etcd(), "--cluster", spec.cluster,
@@ -402,7 +419,7 @@ class LocalCluster:
     def registered(self, kind: layout.Kind) -> set[str]:
         """The ids of ``kind`` (``stores``, ``workers``) registered in the cluster now."""
         if self._etcd_client is None:
-            self._etcd_client = EtcdClient(self._etcd())
+            self._etcd_client = EtcdClient(self._etcd(), tls=self.spec.tls or False)
         prefix = layout.prefix(self.spec.cluster, kind)
         members, _revision = self._etcd_client.get_prefix(prefix)
         return {k[len(prefix):].strip("/") for k in members}

@@ -16,6 +16,10 @@ Every call carries ``headers`` (the router passes the cluster secret's
 and ``X-KV-Worker-Id: <worker_id>``: the worker answers 421 if it is another one (a stale
 registration whose port a replacement now holds), which is a :class:`WorkerUnavailable`.
 
+TLS (``kvstore.tls``): a worker at an ``https://`` address is called with the process's TLS
+settings (``tls``, by default ``kvstore.tls.current()``): the router presents its certificate
+(workers require one) and verifies the worker's against the cluster CA and its address.
+
 Timeouts: connecting and unary calls use ``timeout``; streams use ``stream_read_timeout``
 between lines (None: wait forever, e.g. for the event stream of an idle worker).
 
@@ -33,9 +37,11 @@ import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from contextlib import aclosing, contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+
+from kvstore import tls as tls_settings
 
 from engine.api.generate import (
     ApiValidationError,
@@ -90,11 +96,15 @@ class WorkerClient:
 
     def __init__(self, info: WorkerInfo, *, timeout: float = 5.0,
                  stream_read_timeout: float | None = 300.0, max_connections: int = 1024,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 tls: tls_settings.TLSConfig | Literal[False] | None = None) -> None:
         self.info = info
         self._timeout = timeout
         self._stream_timeout = httpx.Timeout(timeout, read=stream_read_timeout)
+        tls = tls_settings.current() if tls is None else (tls or None)
+        https = info.address.startswith("https://")
         self._http = httpx.AsyncClient(
+            verify=tls.client_context() if tls is not None and https else True,
             base_url=info.address, timeout=timeout,
             headers={**(headers or {}), WORKER_ID_HEADER: info.worker_id},
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
