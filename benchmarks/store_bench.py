@@ -37,7 +37,8 @@ imports Mooncake. Target: both our paths beat it on every batched size from 360 
 ``--hosts 2`` instead runs the daemon on one host and the client on another of the multi-host
 harness (``router.cluster.hosts``; needs root), gets and puts over the veth link against a raw
 socket over the same link, plus a 2k-token prompt's handoff (``benchmarks/store_hosts.py``).
-Target: batched gets of blocks >= 360 KiB reach >= 80% of the raw socket. No plot.
+Target: batched gets of blocks >= 360 KiB reach >= 80% of the raw socket. No plot. With
+``--tls`` the daemon and client speak TLS, against the plain raw socket and a TLS one.
 """
 
 from __future__ import annotations

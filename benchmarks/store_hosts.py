@@ -24,8 +24,10 @@ engine connector saves it (puts of at most 64 MiB) and loaded in one get, both a
 link: the prefill and decode workers on hosts other than the store's. Beside it, the raw
 socket moving the same bytes in the same pattern.
 
-With ``--tls`` (when ``kvstore.tls`` exists) the daemon and client speak TLS and the raw pair
-stays plain, so the ratio is what TLS costs on the link.
+With ``--tls`` the daemon and client speak TLS (``kvstore.tls``, certificates from
+``kvstore.certs``) and the raw pair stays plain, so ``get_vs_raw`` is what TLS costs on the
+link; a second raw pair speaks TLS with the same certificates and the same socket helpers
+(``raw_tls_*``, ``*_vs_raw_tls``): Python's TLS with a free protocol.
 """
 
 from __future__ import annotations
@@ -63,16 +65,18 @@ def role(argv: list[str]) -> None:
     """Entry of the processes started inside the hosts: ``raw-server PORT MAX_BYTES`` or
     ``client CONFIG_JSON``."""
     if argv[0] == "raw-server":
-        _raw_server(int(argv[1]), int(argv[2]))
+        _raw_server(int(argv[1]), int(argv[2]), tls=argv[3:] == ["tls"])
     elif argv[0] == "client":
         print(json.dumps(_client(json.loads(argv[1]))), flush=True)
     else:
         raise SystemExit(f"unknown role {argv[0]!r}")
 
 
-def _raw_server(port: int, max_bytes: int) -> None:
+def _raw_server(port: int, max_bytes: int, tls: bool = False) -> None:
     """One connection: GET -> send COUNT x SIZE bytes in one iovec; PUT -> receive them into
-    preallocated buffers, answer 8 bytes. Both sockets tuned as the daemon's."""
+    preallocated buffers, answer 8 bytes. Both sockets tuned as the daemon's; with ``tls``
+    wrapped in TLS (the settings of ``$KVCACHE_TLS_*``, as the daemon's), moved by the same
+    helpers the daemon uses on TLS sockets."""
     from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
 
     src = np.random.default_rng(1).integers(0, 256, max_bytes, dtype=np.uint8)
@@ -82,6 +86,12 @@ def _raw_server(port: int, max_bytes: int) -> None:
     conn, _ = lsock.accept()
     lsock.close()
     tune_socket(conn, None)
+    if tls:
+        from kvstore import tls as tls_settings
+
+        config = tls_settings.current()
+        assert config is not None, "raw-server tls: no $KVCACHE_TLS_* settings"
+        conn = config.server_context().wrap_socket(conn, server_side=True)
     hdr = memoryview(bytearray(24))
     ack = b"\0" * 8
     with conn:
@@ -103,12 +113,18 @@ def _raw_server(port: int, max_bytes: int) -> None:
 class _Raw:
     """Host 0's end of the raw socket."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: bool = False) -> None:
         from kvstore.net.protocol import tune_socket
 
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         tune_socket(self.sock, None)
+        if tls:
+            from kvstore import tls as tls_settings
+
+            config = tls_settings.current()
+            assert config is not None, "raw tls: no $KVCACHE_TLS_* settings"
+            self.sock = config.client_context().wrap_socket(self.sock, server_hostname=host)
         self._ack = memoryview(bytearray(8))
 
     def get(self, bufs: list[np.ndarray]) -> None:
@@ -156,6 +172,7 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["tls"]:
         assert getattr(client, "tls", None) is not None, "--tls: the client has no TLS settings"
     raw = _Raw(cfg["raw"])
+    raw_tls = _Raw(cfg["raw_tls"], tls=True) if cfg["tls"] else None
     iters = cfg["iters"]
     rows = []
     try:
@@ -163,11 +180,12 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
             keys = [BlockKey(rng.bytes(16)) for _ in range(batch)]
             src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
             dst = [np.ones(size, np.uint8) for _ in range(batch)]
-            t = _rounds({"put": lambda: client.put(keys, src),
-                         "raw_put": lambda: raw.put(src),
-                         "get": lambda: client.get(keys, dst),
-                         "raw_get": lambda: raw.get(dst)},
-                        lambda: client.delete(keys), iters)
+            fns = {"put": lambda: client.put(keys, src), "raw_put": lambda: raw.put(src),
+                   "get": lambda: client.get(keys, dst), "raw_get": lambda: raw.get(dst)}
+            if raw_tls is not None:
+                fns |= {"raw_tls_put": lambda: raw_tls.put(src),
+                        "raw_tls_get": lambda: raw_tls.get(dst)}
+            t = _rounds(fns, lambda: client.delete(keys), iters)
             assert all(client.get(keys, dst)) and np.array_equal(dst[-1], src[-1]), \
                 "wrong bytes read back"
             client.delete(keys)
@@ -175,6 +193,8 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
         handoff = _handoff(client, raw, rng, iters) if cfg["handoff"] else None
     finally:
         raw.close()
+        if raw_tls is not None:
+            raw_tls.close()
         client.close()
     return {"results": rows, "handoff": handoff}
 
@@ -187,6 +207,8 @@ def _row(size: int, batch: int, t: dict[str, list[float]]) -> dict[str, Any]:
     for op in ("get", "put"):
         row[f"{op}_vs_raw"] = min(t[f"raw_{op}"]) / min(t[op])
         row[f"{op}_vs_raw_median"] = statistics.median(t[f"raw_{op}"]) / statistics.median(t[op])
+        if f"raw_tls_{op}" in t:
+            row[f"{op}_vs_raw_tls"] = min(t[f"raw_tls_{op}"]) / min(t[op])
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -247,16 +269,17 @@ def _readline(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
     return line.strip()
 
 
-def _tls(tmp: Path, store_address: str) -> tuple[list[str], dict[str, str]]:
-    """The daemon's TLS flags and the client's TLS environment: a fresh CA and one certificate
-    each (``kvstore.certs``), the daemon's naming the address the client connects to."""
+def _tls(tmp: Path, store_address: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The daemon's TLS flags, its environment (for the raw TLS server) and the client's: a
+    fresh CA and one certificate each (``kvstore.certs``), the daemon's naming the address the
+    client connects to."""
     try:
         certs = importlib.import_module("kvstore.certs")
     except ImportError:
         raise SystemExit("store_bench --hosts --tls: this checkout has no kvstore.certs / "
                          "kvstore.tls (TLS support)") from None
     made = certs.make_certs(tmp / "tls", names=("store", "client"), ips=(store_address,))
-    return made["store"].args(), made["client"].environ()
+    return made["store"].args(), made["store"].environ(), made["client"].environ()
 
 
 def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: str, seed: int,
@@ -287,7 +310,7 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
             raise SystemExit(f"store_bench --hosts: cannot make the hosts: {e}") from None
         try:
             client_host, store_host = hosts[0], hosts[1]
-            tls_args, client_env = _tls(tmp, store_host.address) if tls else ([], {})
+            tls_args, store_env, client_env = _tls(tmp, store_host.address) if tls else ([], {}, {})
             daemon = store_host.popen(
                 [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--host", "0.0.0.0",
                  "--port", str(STORE_PORT), "--memory", memory,
@@ -300,9 +323,16 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
                                     str(max_bytes)], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
             _readline(raw, "the raw socket server")
+            if tls:
+                raw_tls = store_host.popen(
+                    [sys.executable, "-c", _ROLE, "raw-server", str(RAW_PORT + 1), str(max_bytes),
+                     "tls"], env={**env, **store_env}, cwd=REPO, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+                _readline(raw_tls, "the raw TLS socket server")
             mtu = int(client_host.run(["cat", "/sys/class/net/eth0/mtu"]).stdout.strip() or 0)
             cfg = {"store": f"{store_host.address}:{STORE_PORT}",
-                   "raw": f"{store_host.address}:{RAW_PORT}", "cases": cases, "iters": iters,
+                   "raw": f"{store_host.address}:{RAW_PORT}",
+                   "raw_tls": f"{store_host.address}:{RAW_PORT + 1}", "cases": cases, "iters": iters,
                    "seed": seed, "handoff": handoff, "tls": tls}
             client = client_host.popen([sys.executable, "-c", _ROLE, "client", json.dumps(cfg)],
                                        env={**env, **client_env}, cwd=REPO, stdout=subprocess.PIPE,

@@ -48,3 +48,17 @@ def test_tls_and_no_handoff_need_hosts(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=60,
                        cwd=REPO)
     assert r.returncode != 0 and r.stdout == "" and "--hosts 2" in r.stderr
+
+
+def test_hosts_2_tls_against_a_plain_and_a_tls_raw_socket(hosts, tmp_path):
+    hosts(1).close()
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--hosts", "2", "--tls",
+                        "--no-handoff", "--quick", "--iters", "1", "--memory", "64M",
+                        "--max-batch-bytes", str(1 << 20), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["tls"] is True and res["link"]["tls"] is True and res["handoff"] is None
+    for row in res["results"]:
+        for key in ("get_vs_raw", "get_vs_raw_tls", "put_vs_raw_tls", "raw_tls_get_gbps"):
+            assert row[key] > 0, (key, row)
