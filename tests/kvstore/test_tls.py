@@ -175,3 +175,16 @@ def test_etcd_over_tls_with_client_certificates(tmp_path: Path, certs, foreign) 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_certs_make_command(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvstore.daemon.cli", "certs", "make", str(tmp_path),
+                          "--name", "store", "--ip", "10.77.0.11"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    store = TLSConfig.from_dir(tmp_path, "store")
+    assert " ".join(store.args()) in out.stdout
+    assert oct(os.stat(store.key).st_mode & 0o777) == "0o600"
+    decoded = ssl._ssl._test_decode_cert(store.cert)  # type: ignore[attr-defined]
+    assert {("IP Address", "10.77.0.11"), ("IP Address", "127.0.0.1"),
+            ("DNS", "localhost")} <= set(decoded["subjectAltName"])
