@@ -31,7 +31,7 @@ _LEFT = re.compile(r"@[A-Z_]+@")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python3 deploy/render_units.py",
-                                 description=__doc__.split("\n")[0])
+                                 description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--prefix", default=sys.prefix,
                     help="the venv or install prefix whose bin/ holds kvstore, kvengine and "
                          "kvrouter (default: %(default)s)")

@@ -117,3 +117,40 @@ def test_example_env_files_hold_flags_the_commands_take():
         assert worker.role in name and worker.advertise_host
     router = router_parser().parse_args(["serve", *_args("kvrouter.env", "KVROUTER_ARGS")])
     assert router.port == 8000
+
+
+def _flags(parser) -> set[str]:
+    import argparse
+
+    out: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _flags(sub)
+        out |= {o for o in action.option_strings if o.startswith("--")}
+    return out
+
+
+def test_every_flag_in_docs_deployment_exists():
+    """docs/deployment.md names only flags some command takes (ours, the renderer's, the
+    benchmark's, or those of etcd, useradd, systemctl... in its examples)."""
+    import importlib.util
+
+    from benchmarks.store_bench import build_parser as bench_parser
+    from engine.worker.cli import build_parser as engine_parser
+    from kvstore.daemon.cli import build_parser as store_parser
+    from router.cli import build_parser as router_parser
+
+    spec = importlib.util.spec_from_file_location("render_units", RENDER)
+    assert spec and spec.loader
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    known = set().union(*(_flags(p()) for p in (store_parser, engine_parser, router_parser,
+                                                 bench_parser, render.build_parser)))
+    others = {"--name", "--data-dir", "--listen-client-urls", "--advertise-client-urls",  # etcd
+              "--system", "--home-dir", "--shell",                                       # useradd
+              "--now", "--offline",                                 # systemctl, systemd-analyze
+              "--default"}                                          # python -m engine.model.convert
+    text = (REPO / "docs" / "deployment.md").read_text()
+    used = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+    assert sorted(used - known - others) == []
