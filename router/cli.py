@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from router.cluster.launcher import ClusterSpec, LocalCluster
     from router.cluster.supervisor import Supervisor
 
 __all__ = ["main", "build_parser"]
@@ -135,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
     u.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds each child has to become ready (default 180)")
+    u.add_argument("--hosts", type=int, default=0, metavar="N",
+                   help="spread the cluster over N local hosts (network namespaces on a bridge, "
+                        "each with its own /dev/shm; needs root): a store and workers on each, etcd "
+                        "and the router on host 0 (router.cluster.multihost); default 0: one host")
+    u.add_argument("--host-roles", default=None, metavar="LIST",
+                   help="with --hosts: the workers of each host, e.g. prefill,decode,decode (the "
+                        "default: prefill on host 0, decode on the others; prefill+decode for two on "
+                        "one host); --prefill/--decode are then ignored")
     for role in ("prefill", "decode", "colocated"):
         u.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
                        help=f"pin every {role} worker to these CPUs (e.g. 0 or 0,1 or 0-3)")
@@ -221,7 +230,7 @@ def _up(args: argparse.Namespace) -> int:
     import httpx
 
     from kvstore import secret as cluster_secret, tls
-    from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
+    from router.cluster.launcher import ClusterSpec, LaunchError
     from router.cluster.supervisor import Supervisor, SupervisorMetrics, serve_metrics
 
     try:
@@ -254,8 +263,12 @@ def _up(args: argparse.Namespace) -> int:
     def on_signal(signum: int, _frame: object) -> None:
         raise _Stop(signum)
 
+    try:
+        cluster = _make_cluster(args, spec)
+    except ValueError as exc:
+        print(f"kvrouter up: {exc}", file=sys.stderr)
+        return 2
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(spec, on_status=_say)
     close_metrics = None
     code = 0
     try:
@@ -287,6 +300,21 @@ def _up(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     _say("all stopped")
     return code
+
+
+def _make_cluster(args: argparse.Namespace, spec: "ClusterSpec") -> "LocalCluster":
+    """A ``LocalCluster``, or with ``--hosts N`` a ``MultiHostCluster`` over N hosts."""
+    from router.cluster.launcher import LocalCluster
+
+    if not args.hosts:
+        if args.host_roles:
+            raise ValueError("--host-roles needs --hosts N")
+        return LocalCluster(spec, on_status=_say)
+    from router.cluster.multihost import MultiHostCluster, default_host_roles, parse_host_roles
+
+    roles = (parse_host_roles(args.host_roles, args.hosts) if args.host_roles
+             else default_host_roles(args.hosts))
+    return MultiHostCluster(spec, roles, on_status=_say)
 
 
 def _supervise(supervisor: "Supervisor") -> None:

@@ -153,6 +153,8 @@ class LocalCluster:
         self.secret: str | None = None
         self.secret_file: Path | None = None
         self.state_extra: dict[str, object] = {}  # more for cluster.json (the supervisor's URL)
+        self.router_host = spec.host               # the router's bind address (multihost: host 0's)
+        self.child_hosts: dict[str, str] = {}      # child name -> its host (multihost only)
         self._tmp: str | None = None
         self.log_dir: Path | None = None
         self._http = httpx.Client(timeout=2.0, trust_env=False)
@@ -177,8 +179,8 @@ class LocalCluster:
 
     def _start(self) -> None:
         spec = self.spec
-        if spec.port and port_taken(spec.host, spec.port):
-            raise LaunchError(f"the router's port {spec.port} on {spec.host} is already in use (another "
+        if spec.port and self._router_port_taken(spec.port):
+            raise LaunchError(f"the router's port {spec.port} on {self.router_host} is already in use (another "
                               "process listens there: an earlier cluster?); stop it or choose another --port")
         self.model_dir = resolve_model_dir(spec.model)
         self._tmp = tempfile.mkdtemp(prefix="kvrouter-up-")
@@ -285,6 +287,7 @@ class LocalCluster:
         with self._state_lock:
             children = {c.name: {"kind": c.kind, "pid": c.pid, "address": c.address, "id": c.member_id,
                                  "starts": c.starts,
+                                 **({"host": self.child_hosts[c.name]} if c.name in self.child_hosts else {}),
                                  "state": (states or {}).get(c.name, "running" if c.alive() else "exited")}
                         for c in self.children}
             state = {"router": self.router_url, "etcd": self.etcd_url, "cluster": self.spec.cluster,
@@ -375,13 +378,13 @@ class LocalCluster:
         ``LaunchError`` before the router starts."""
         spec = self.spec
         port = port if port is not None else (spec.port or free_port(spec.host))
-        if port_taken(spec.host, port):
-            raise LaunchError(f"{name}: port {port} on {spec.host} is already in use (another process "
+        if self._router_port_taken(port):
+            raise LaunchError(f"{name}: port {port} on {self.router_host} is already in use (another process "
                               "listens there); stop it or choose another port")
         auto_threshold = auto_threshold if auto_threshold is not None else spec.auto_threshold
         request_log = request_log or spec.request_log
         argv = self._py("router.cli", "serve", "--etcd", self._etcd(),
-                        "--cluster", cluster or spec.cluster, "--host", spec.host,
+                        "--cluster", cluster or spec.cluster, "--host", self.router_host,
                         "--port", str(port), "--mode", mode or spec.mode,
                         "--policy", policy or spec.policy, "--model", str(self.model_dir))
         if auto_threshold is not None:
@@ -392,7 +395,7 @@ class LocalCluster:
         api_key = api_key or spec.api_key
         if api_key:
             env["KVROUTER_API_KEY"] = api_key        # not on the command line (ps shows argv)
-        url = f"http://{spec.host}:{port}"
+        url = f"http://{self.router_host}:{port}"
         child = self._spawn(name, "router", argv, url, env=env,
                             ready_pattern=rf"serving on http://\S*:{port}\b")
 
@@ -412,6 +415,9 @@ class LocalCluster:
         return url
 
     # -- helpers -----------------------------------------------------------------------
+    def _router_port_taken(self, port: int) -> bool:
+        return port_taken(self.router_host, port)
+
     def _etcd(self) -> str:
         assert self.etcd_url is not None
         return self.etcd_url
