@@ -3,6 +3,7 @@ flag of every subcommand (parsers built without side effects)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import subprocess
@@ -27,6 +28,10 @@ def test_every_flag_of_every_subcommand_has_help(command):
     assert (list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM)) == (handlers, sigterm)
     assert parser.prog == command
     assert flags_without_help(parser) == []
+    # Every subcommand's --help renders (a stray '%' in a help text makes argparse raise).
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for sub in (p for a in subs for p in a.choices.values()):
+        assert "--help" in sub.format_help()
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="save every new full block to the store (default unless --role decode)")
     save.add_argument("--no-save", dest="save_all", action="store_false",
                       help="save only for phase=prefill requests")
+    s.add_argument("--kv-handoff", choices=["local", "owners"], default=d.kv_handoff,
+                   help="where a prefill's blocks go: 'local', this host's store node, read from "
+                        "there by the decode worker (one network hop) and copied on to their "
+                        "owners in the background; or 'owners', their rendezvous owners "
+                        f"(default {d.kv_handoff})")
     s.add_argument("--load-interval", type=float, default=d.load_interval_s,
                    help="seconds between load reports on the event stream")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
@@ -118,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
         dtype=args.dtype, device=args.device, threads=args.threads, save_all=args.save_all,
+        kv_handoff=args.kv_handoff,
         load_interval_s=args.load_interval, drain_timeout_s=args.drain_timeout,
         cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
         insecure=args.insecure,
@@ -178,6 +184,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
     engine = LLMEngine(runner, cfg.engine_config(), connector=connector,
                        on_kv_event=events.on_kv_event)
     worker = EngineWorker(engine, runner, events, metrics, connector=connector,
+                          handoff=cfg.kv_handoff == "local",
                           load_interval_s=cfg.load_interval_s)
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls_settings.current() else "http"

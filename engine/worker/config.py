@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 from engine.api.generate import WORKER_ROLES, WorkerRole
 from engine.core.config import EngineConfig
@@ -36,6 +37,10 @@ class WorkerConfig:
     - ``role``: what the router sends it (every worker can prefill). ``prefill`` and
       ``colocated`` workers save every new full block to the store; a ``decode`` worker saves
       only for requests in phase "prefill" (``save_all`` overrides).
+    - ``kv_handoff``: where a phase "prefill" request's blocks go: ``local``, the store node on
+      this host, named in the final line for the decode worker to read (one hop; then copied
+      on to their owners in the background), or ``owners``, their rendezvous owners
+      (``engine.kv.handoff``).
     - ``store``: a store node ``host:port``; or ``etcd`` (+ ``cluster``) to find the store
       nodes registered there. Neither: no store (device prefix cache only).
     - ``etcd``: also where the worker registers (``/{cluster}/workers/{worker_id}``).
@@ -71,6 +76,7 @@ class WorkerConfig:
     device: str | None = EngineConfig.device
     threads: int | None = None
     save_all: bool | None = None
+    kv_handoff: Literal["local", "owners"] = "local"
     load_interval_s: float = 0.5
     event_capacity: int = 65536
     registration_ttl_s: float = 5.0

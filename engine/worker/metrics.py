@@ -55,6 +55,11 @@ class WorkerMetrics:
         self.store_blocks_bad = Counter(
             "kvengine_store_blocks_recomputed", "Store blocks found missing or corrupt, recomputed",
             ["reason"], registry=r)
+        self.handoff_blocks = Counter(
+            "kvengine_kv_handoff_blocks",
+            "One-hop handoff (engine.kv.handoff): blocks put to this host's store node "
+            "(handed_off), loaded from a handoff's source node (source_hit), copied on to their "
+            "owners in the background (placed) or not (place_dropped)", ["kind"], registry=r)
         self.store_save_seconds = Histogram(
             "kvengine_store_save_wait_seconds",
             "Prefill handoff: first token to store acknowledgement of every full block",
@@ -65,6 +70,8 @@ class WorkerMetrics:
             self.store_bytes.labels(direction)
         for reason in ("missing", "corrupt"):
             self.store_blocks_bad.labels(reason)
+        for kind in ("handed_off", "source_hit", "placed", "place_dropped"):
+            self.handoff_blocks.labels(kind)
         for kind in ("prefill", "decode", "mixed"):
             self.step_seconds.labels(kind)
         for reason in ("bad_request", "draining", "block_keys"):

@@ -364,6 +364,9 @@ class EngineWorker:
         self.metrics.store_bytes.labels("save").inc(now.saved_bytes - last.saved_bytes)
         self.metrics.store_blocks_bad.labels("missing").inc(now.missing_blocks - last.missing_blocks)
         self.metrics.store_blocks_bad.labels("corrupt").inc(now.corrupt_blocks - last.corrupt_blocks)
+        for kind, field_name in (("handed_off", "handoff_blocks"), ("source_hit", "source_hit_blocks"),
+                                 ("placed", "placed_blocks"), ("place_dropped", "place_dropped_blocks")):
+            self.metrics.handoff_blocks.labels(kind).inc(getattr(now, field_name) - getattr(last, field_name))
         self.load_rate.update((now.loaded_blocks - last.loaded_blocks) * self.connector.block_size,
                               now.load_s - last.load_s)
 

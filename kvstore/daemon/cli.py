@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-conn-reserve", default=f"{d.conn_reserve_fraction:.0%}", metavar="SIZE|PCT",
                    help="arena space one connection may hold reserved before it has sent the bytes, "
                         "as a size (256M) or a share of --memory (default "
-                        f"{d.conn_reserve_fraction:.0%}); clients split their puts to fit")
+                        f"{d.conn_reserve_fraction:.0%}%); clients split their puts to fit")
     s.add_argument("--on-corrupt-ssd", choices=("move-aside", "fail"), default="move-aside",
                    help="a damaged --ssd-path at start: move it aside and start empty, keeping the "
                         "node id (default), or fail to start")
