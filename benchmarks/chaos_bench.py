@@ -2,6 +2,7 @@
 
     python -m benchmarks.chaos_bench --out results/chaos                 # tiny model, ~2 min
     python -m benchmarks.chaos_bench --model default --out results/chaos_real
+    python -m benchmarks.chaos_bench --hosts 3 --replicas 2 --out results/chaos_hosts   # benchmarks.chaos_hosts
 
 One command: ``kvrouter up`` (2 prefill + 2 decode workers by default; the tiny deterministic
 checkpoint unless ``--model``), then the greedy outputs of a fixed set of prompts recorded one
@@ -52,6 +53,7 @@ from benchmarks import lifecycle
 from benchmarks.serve_bench import machine_info
 
 KINDS = ("prefill", "decode", "store", "etcd")
+HOST_KINDS = ("host-store",)   # --hosts N: one host's store daemon (benchmarks.chaos_hosts)
 WORKER_KINDS = ("prefill", "decode", "colocated")
 TARGET_BACK_S = 15.0
 
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds the cluster has to come up (default 300)")
+    from benchmarks.chaos_hosts import add_flags
+    add_flags(p)
     return p
 
 
@@ -100,6 +104,8 @@ class Cluster:
                 "--prefill", str(args.prefill), "--decode", str(args.decode), "--store-memory", "256M",
                 "--log-dir", str(self.log_dir), "--request-log", str(self.request_log),
                 "--ready-timeout", str(args.ready_timeout)]
+        if getattr(args, "hosts", 0):   # a store and a worker per host; every reuse through the store
+            argv += ["--hosts", str(args.hosts), "--worker-arg=--no-prefix-caching"]
         self.proc = lifecycle.popen(argv, stdout=self.up_log, stderr=self.up_log)
         deadline = time.monotonic() + args.ready_timeout
         while "The router is up at" not in (out / "up.log").read_text():
@@ -360,15 +366,25 @@ def _model_dir(model: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    bad = [k for k in args.kills.split(",") if k and k not in KINDS]
-    if bad:
-        sys.exit(f"chaos_bench: --kills takes {','.join(KINDS)}; got {','.join(bad)}")
+    kinds = HOST_KINDS if args.hosts else KINDS
+    if args.hosts and args.kills == ",".join(KINDS):
+        args.kills = "host-store"
+    bad = [k for k in args.kills.split(",") if k and k not in kinds]
+    if bad or (args.hosts and args.kills != "host-store"):
+        sys.exit(f"chaos_bench: --kills takes {','.join(kinds)}"
+                 f"{' (one kill with --hosts)' if args.hosts else ''}; got {args.kills}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model == "tiny":
         from engine.model.tiny import make_tiny_checkpoint
         model = str(make_tiny_checkpoint(out / "tiny-model", "llama", seed=0))
+    if args.hosts:
+        from benchmarks import chaos_hosts
+        record = asyncio.run(chaos_hosts.run(args, out, model))
+        (out / "chaos_hosts.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(record))
+        return
     record = asyncio.run(run(args, out, model))
     (out / "chaos.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
