@@ -378,6 +378,11 @@ class KVStoreConnector:
         if self._placer is not None:
             self._placer.close(timeout)
 
+    @property
+    def placer_idle(self) -> bool:
+        """No handed-off block waits for its copy to the owners (``engine.kv.handoff``)."""
+        return self._placer is None or self._placer.idle
+
     def stats_snapshot(self) -> ConnectorStats:
         with self._stats_lock:
             out = ConnectorStats(**asdict(self.stats))

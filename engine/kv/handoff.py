@@ -12,10 +12,13 @@ was made and moves it once. So do we:
   reads them from that node first (one TCP transfer, none when it shares the host), whatever
   it lacks from the owners, and recomputes what neither has.
 - Reuse across the cluster still follows rendezvous: :class:`Placer` copies every handed-off
-  block to its owners in the background, off the request path (the ones they lack, read back
-  from the local node over shared memory). Its queue is bounded: a batch that does not fit
-  is dropped and counted (those blocks stay on the local node only; a later request that
-  computes them again puts them at their owners).
+  block to each of its R owners that lacks it (asked one by one: a cluster lookup would find
+  the local copy and stop), in the background, off the request path, read back from the
+  local node over shared memory. It starts on a batch ``delay_s`` (1 s) after the
+  batch was queued, so that the decode's read of the blocks, which follows the prefill's
+  final line within milliseconds, does not share the link and the CPU with the copy. Its
+  queue is bounded: a batch that does not fit is dropped and counted (those blocks stay on
+  the local node only; a later request that computes them again puts them at their owners).
 - No node on this host (one ``--store`` daemon elsewhere, or none here), or a local put that
   fails: the blocks go to their owners as before and the final line names no node. A source
   node that left or cannot be reached is a miss there, never an error.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -44,10 +48,12 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class NodeDirectory(Protocol):
-    """A store client that can name this host's node and reach one node directly."""
+    """A store client that can name this host's node, a key's owners, and reach one node."""
 
     @property
     def local_node_id(self) -> str | None: ...
+
+    def owners(self, key: bytes) -> list[str]: ...
 
     def node_client(self, node_id: str) -> StoreClient | None: ...
 
@@ -86,12 +92,13 @@ class Placer:
     (module docstring). ``submit`` never blocks; ``close`` finishes what is queued."""
 
     def __init__(self, cluster: StoreClient, directory: NodeDirectory, *,
-                 max_batches: int = 256) -> None:
-        self.cluster, self.directory = cluster, directory
+                 max_batches: int = 256, delay_s: float = 1.0) -> None:
+        self.cluster, self.directory, self.delay_s = cluster, directory, delay_s
         self.stats = PlacerStats()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, list[BlockKey]] | None] = queue.Queue(max_batches)
+        self._queue: queue.Queue[tuple[float, str, list[BlockKey]] | None] = queue.Queue(max_batches)
         self._thread: threading.Thread | None = None
+        self._busy = False
 
     def submit(self, node: str, keys: Sequence[BlockKey]) -> bool:
         """Queue ``keys`` (held by ``node``) for their owners; False when the queue is full."""
@@ -101,12 +108,18 @@ class Placer:
             self._thread = threading.Thread(target=self._run, name="kv-placer", daemon=True)
             self._thread.start()
         try:
-            self._queue.put_nowait((node, list(keys)))
+            self._queue.put_nowait((time.monotonic() + self.delay_s, node, list(keys)))
             return True
         except queue.Full:
             with self._lock:
                 self.stats.dropped_blocks += len(keys)
             return False
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being copied."""
+        with self._lock:
+            return not self._busy and self._queue.empty()
 
     def snapshot(self) -> PlacerStats:
         with self._lock:
@@ -121,7 +134,10 @@ class Placer:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            node, keys = item
+            due, node, keys = item
+            with self._lock:
+                self._busy = True
+            time.sleep(max(0.0, due - time.monotonic()))
             try:
                 self._place(node, keys)
             except KVStoreError as exc:
@@ -129,19 +145,36 @@ class Placer:
                 with self._lock:
                     self.stats.failed_batches += 1
                     self.stats.dropped_blocks += len(keys)
+            finally:
+                with self._lock:
+                    self._busy = False
 
     def _place(self, node: str, keys: list[BlockKey]) -> None:
-        present = self.cluster.contains(keys)
-        missing = [k for k, p in zip(keys, present) if not p]
+        by_owner: dict[str, list[BlockKey]] = {}
+        for k in keys:
+            for owner in self.directory.owners(k):
+                if owner != node:
+                    by_owner.setdefault(owner, []).append(k)
+        lacking: dict[str, list[BlockKey]] = {}
+        asked = 0
+        for owner, ks in by_owner.items():
+            client = source_client(self.directory, owner)
+            if client is None:
+                continue                      # gone: the repair pass re-replicates
+            asked += len(ks)
+            lacking[owner] = [k for k, p in zip(ks, client.contains(ks)) if not p]
+        wanted = list(dict.fromkeys(k for ks in lacking.values() for k in ks))
+        values: dict[BlockKey, bytes] = {}
+        if wanted and (src := self.directory.node_client(node)) is not None:
+            values = {k: v for k, v in zip(wanted, src.get_bytes(wanted)) if v is not None}
         placed = dropped = 0
-        if missing:
-            src = self.directory.node_client(node)
-            values = src.get_bytes(missing) if src is not None else [None] * len(missing)
-            found = [(k, v) for k, v in zip(missing, values) if v is not None]
-            if found:
-                self.cluster.put([k for k, _ in found], [v for _, v in found])
-            placed, dropped = len(found), len(missing) - len(found)
+        for owner, ks in lacking.items():
+            have = [k for k in ks if k in values]
+            client = source_client(self.directory, owner)
+            if have and client is not None:
+                client.put(have, [values[k] for k in have])
+            placed, dropped = placed + len(have), dropped + len(ks) - len(have)
         with self._lock:
             self.stats.placed_blocks += placed
             self.stats.dropped_blocks += dropped
-            self.stats.present_blocks += len(keys) - len(missing)
+            self.stats.present_blocks += asked - placed - dropped

@@ -31,7 +31,7 @@ def _poll(cond, timeout: float, what: str) -> None:
 def test_prefill_hands_off_to_its_host_node_and_decode_reads_it_there(etcd, start_daemon):
     cluster = f"h{uuid.uuid4().hex[:8]}"
     for _ in range(2):
-        start_daemon("--etcd", etcd, "--cluster", cluster)
+        start_daemon("--etcd", etcd, "--cluster", cluster, "--repair-rate", "0")  # the placer alone
     keys = block_keys(namespace_id({"test": "handoff"}), list(range(12 * BS)), BS)  # 12 blocks
     with ClusterClient(etcd, cluster) as cc:
         assert cc.wait_for_nodes(2, 10.0)
@@ -56,8 +56,9 @@ def test_prefill_hands_off_to_its_host_node_and_decode_reads_it_there(etcd, star
         assert all(local_client.contains(keys))
         # ...and the placer copies the ones the other node owns there, in the background.
         _poll(lambda: all(other_client.contains(owned_elsewhere)), 10, "the placer's copies")
-        _poll(lambda: prefill.stats_snapshot().placed_blocks == len(owned_elsewhere), 10,
-              "the placer's count")
+        _poll(lambda: prefill.placer_idle, 10, "the placer")
+        assert prefill.stats_snapshot().placed_blocks == len(owned_elsewhere), (
+            prefill.stats_snapshot(), len(owned_elsewhere))
 
         # A decode told where the blocks are loads every one of them from that node.
         other_client.delete(owned_elsewhere)          # only the source holds them now
