@@ -46,6 +46,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(RuntimeError):
+    """etcd could not bind a port it was given."""
+
+
 class EtcdServer:
     """One single-member etcd on loopback ports with its own data directory."""
 
@@ -56,8 +60,25 @@ class EtcdServer:
         self.url = f"http://127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen | None = None
         self._log = data_dir.parent / f"{data_dir.name}.log"
+        self._started = False
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
+        """Start and wait until it answers. A first start whose ports were taken meanwhile (a
+        port found free is free only until some process, often an outgoing connection's
+        ephemeral port, takes it) tries again on new ports, twice at most; a restart keeps
+        its ports, which clients know."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if self._started or attempt == 2:
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.client_port, self.peer_port = _free_port(), _free_port()
+                self.url = f"http://127.0.0.1:{self.client_port}"
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "EtcdServer":
         assert self.proc is None, "already running"
         if not os.path.exists(ETCD_BIN):
             pytest.fail("etcd is not installed: run the set-up script (apt-get install etcd-server)")
@@ -69,6 +90,7 @@ class EtcdServer:
             "--initial-cluster", f"test={peer}",
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
+        seen = self._log.stat().st_size if self._log.exists() else 0   # this start's lines follow
         with open(self._log, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
@@ -76,10 +98,14 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self._log}")
+                code, self.proc = self.proc.returncode, None
+                if b"address already in use" in self._log.read_bytes()[seen:]:
+                    raise _PortTaken(f"etcd exited with {code}: a port was taken; see {self._log}")
+                raise RuntimeError(f"etcd exited with {code}; see {self._log}")
             try:
                 r = httpx.post(f"{self.url}/v3/kv/range", json={"key": "AA=="}, timeout=0.5)
                 if r.status_code == 200:
+                    self._started = True
                     return self
             except httpx.TransportError:
                 pass

@@ -46,3 +46,20 @@ def _zombie(pid: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_etcd_fixture_moves_to_new_ports_when_one_was_taken_before_it_bound(tmp_path):
+    import socket
+
+    from tests.conftest import EtcdServer
+
+    server = EtcdServer(tmp_path / "etcd")
+    with socket.socket() as squatter:          # what an outgoing connection's port does
+        squatter.bind(("127.0.0.1", server.client_port))
+        squatter.listen()
+        taken = server.client_port
+        server.start()
+        try:
+            assert server.client_port != taken and server.url.endswith(f":{server.client_port}")
+        finally:
+            server.stop()
