@@ -45,7 +45,6 @@ import select
 import socket
 import threading
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvstore.net import protocol as P
@@ -56,7 +55,7 @@ from kvstore.node.store import BlockStore
 if TYPE_CHECKING:
     from kvstore.tls import TLSConfig
 
-__all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "load_node_id", "raise_nofile_limit"]
+__all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "raise_nofile_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -64,31 +63,6 @@ _ARM = select.EPOLLIN | select.EPOLLONESHOT
 _ARM_OUT = select.EPOLLOUT | select.EPOLLONESHOT  # a TLS step that waits to write
 _ACCEPT_BURST = 64
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-def load_node_id(ssd_path: str | None) -> str:
-    """The node's stable identity: kept in ``{ssd_path}/node_id`` (0600) so a restarted node
-    owns the same keys; a fresh one per run when the node has no SSD data."""
-    if not ssd_path:
-        return uuid.uuid4().hex
-    os.makedirs(ssd_path, mode=0o700, exist_ok=True)
-    path = os.path.join(ssd_path, "node_id")
-    try:
-        with open(path) as f:
-            node_id = f.read().strip()
-        if node_id:
-            return node_id
-    except FileNotFoundError:
-        pass
-    node_id = uuid.uuid4().hex
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(node_id + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return node_id
 
 
 def raise_nofile_limit(want: int) -> int:

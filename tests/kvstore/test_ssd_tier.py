@@ -105,10 +105,10 @@ def test_kill_9_mid_write_leaves_every_committed_block_and_nothing_half_written(
 
 
 def test_files_are_the_owners_only(tmp_path):
-    from kvstore.net.server import load_node_id
+    from kvstore.daemon.identity import resolve_node_id
 
     path = tmp_path / "ssd"
-    load_node_id(str(path))
+    resolve_node_id(str(path))
     tier = SsdTier(str(path), capacity_bytes=1 << 20)
     _put(tier, [1])
     tier.close()
