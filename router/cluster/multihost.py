@@ -23,8 +23,11 @@ Ports are fixed per host (a fresh network namespace holds nothing but what we st
 hosts need root; a machine where they cannot be made fails ``start()`` with ``LaunchError``
 quoting why. ``stop()`` stops every child, then tears the hosts down (namespaces, veths,
 bridge, whatever still runs in them), also after a failed start. The children bind beyond
-loopback, so a cluster secret is required (no ``--no-cluster-secret``); no TLS yet (its
-certificates name loopback, not the hosts' addresses). Only the
+loopback, so a cluster secret is required (no ``--no-cluster-secret``). TLS (``--tls-dir``):
+once the hosts exist, the CA in that directory issues ``hosts-node.pem`` naming every host's
+address, and every child (etcd on https with client certificates, the stores, the workers,
+the router's internal calls) uses it; ``--tls-cert/--tls-key/--tls-ca`` alone are refused,
+having no CA key to name the hosts with. Only the
 disaggregated and auto modes (one worker per role entry); colocated is one worker, not a
 multi-host layout.
 """
@@ -88,9 +91,10 @@ class MultiHostCluster(LocalCluster):
                              "(drop --no-cluster-secret)")
         if spec.etcd is not None:
             raise ValueError("--hosts starts its own etcd on host 0 (drop --etcd)")
-        if spec.tls is not None:
-            raise ValueError("--hosts with TLS is not supported yet (the certificates would have "
-                             "to name every host's address)")
+        if spec.tls is not None and not (Path(spec.tls.ca).parent / "ca-key.pem").is_file():
+            raise ValueError("--hosts with TLS needs --tls-dir (its CA key issues the certificate "
+                             "naming every host's address once the hosts exist), not --tls-cert/"
+                             "--tls-key/--tls-ca alone")
         counts = {role: sum(r == role for roles in layout for r in roles) for role in _ROLES}
         spec = dataclasses.replace(spec, prefill=counts["prefill"], decode=counts["decode"])
         super().__init__(spec, on_status)
@@ -119,6 +123,13 @@ class MultiHostCluster(LocalCluster):
                                      for h, roles in zip(self.hosts, self.host_roles)]
         self.state_extra["store_metrics"] = {f"store-{i}": f"http://{h.address}:{STORE_METRICS_PORT}/metrics"
                                              for i, h in enumerate(self.hosts)}
+        if self.spec.tls is not None:   # every child serves on its host's address: name them all
+            from kvstore.certs import make_node
+
+            named = make_node(Path(self.spec.tls.ca).parent, "hosts-node",
+                              ips=[h.address for h in self.hosts])
+            self.spec = dataclasses.replace(self.spec, tls=named)
+            self.on_status(f"TLS certificate for every host's address: {named.cert}")
         self.on_status(f"{n} hosts on bridge {self.hosts.bridge} ({self.hosts.bridge_address}): "
                        + ", ".join(f"{h.name} {h.address} [{'+'.join(r) or 'store only'}]"
                                    for h, r in zip(self.hosts, self.host_roles)))
@@ -174,13 +185,18 @@ class MultiHostCluster(LocalCluster):
     def _start_etcd(self) -> None:
         etcd = shutil.which("etcd") or "/usr/bin/etcd"
         addr = self._host(0).address
-        url, peer = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PEER_PORT}"
+        tls = self.spec.tls
+        scheme = "https" if tls else "http"
+        url, peer = f"{scheme}://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PEER_PORT}"
+        tls_args = ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca,
+                    "--client-cert-auth"] if tls else []
         assert self._tmp is not None
         child = self._spawn_on(0, "etcd", "etcd", [
             etcd, "--name", "kvlocal", "--data-dir", str(Path(self._tmp) / "etcd-data"),
             "--listen-client-urls", url, "--advertise-client-urls", url,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvlocal={peer}", "--logger", "zap", "--log-level", "warn"], url)
+            "--initial-cluster", f"kvlocal={peer}", *tls_args, "--logger", "zap",
+            "--log-level", "warn"], url)
         self._wait(child, lambda: self.is_ready(child))
         self.etcd_url = url
         self.on_status(f"etcd ready at {url} (host 0)")
@@ -207,7 +223,7 @@ class MultiHostCluster(LocalCluster):
         self._next_port[i] = port + 1
         threads = str(spec.threads_per_worker)
         cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus}[role]
-        url = f"http://{host.address}:{port}"
+        url = f"{'https' if self.spec.tls else 'http'}://{host.address}:{port}"
         return self._spawn_on(i, name, role, self._py(
             "engine.worker.cli", "serve", "--role", role, "--model", str(self.model_dir),
             "--host", host.address, "--port", str(port), "--etcd", self._etcd(),
@@ -215,4 +231,4 @@ class MultiHostCluster(LocalCluster):
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                  "TOKENIZERS_PARALLELISM": "false"},
             cpus=parse_cpus(cpus_text) if cpus_text else None,
-            ready_pattern=rf"^kvengine ready address=http://\S*:{port} worker_id=(?P<id>\S+)")
+            ready_pattern=rf"^kvengine ready address=https?://\S*:{port} worker_id=(?P<id>\S+)")

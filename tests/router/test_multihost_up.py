@@ -1,9 +1,11 @@
 """``kvrouter up --hosts 3`` as a user runs it (router.cluster.multihost): three hosts of the
 hosts harness, each with a store daemon and a worker (prefill on host 0, decode on 1 and 2),
-etcd and the router on host 0. From the root namespace, at the URL it prints, a completion's
-greedy text is transformers' (the oracle); the KV it handed over crossed hosts (the stores'
-``kvstore_bytes_total``: the decode worker read its own host's store over shared memory and
-the others over TCP); ``cluster.json`` names every child's host; SIGTERM leaves no process,
+etcd and the router on host 0, every internal connection over TLS with mutual certificates
+(``--tls-dir``: etcd on https, the stores, the workers, the router's calls). From the root
+namespace, at the URL it prints, a completion's greedy text is transformers' (the oracle); the
+KV it handed over crossed hosts in one hop (the stores' ``kvstore_bytes_total``: the prefill
+wrote to its own host's store over shared memory, the decode worker read all it loaded from
+that store over TCP); ``cluster.json`` names every child's host; SIGTERM leaves no process,
 namespace or bridge behind. Skips only where namespaces cannot be made (fails under CI=true:
 the hosts fixture's rule)."""
 
@@ -69,7 +71,7 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "up", "--hosts", "3", "--model", str(tiny_model_dir),
          "--port", "0", "--log-dir", str(logs), "--request-log", str(request_log),
-         "--store-memory", "64M", "--metrics-port", "-1"],
+         "--store-memory", "64M", "--metrics-port", "-1", "--tls-dir", str(tmp_path / "tls")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     q, seen = _lines(proc), []
     # transformers' greedy text, computed while the cluster comes up (its imports are slow)
@@ -85,6 +87,7 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
         addr = [h["address"] for h in state["hosts"]]
         children = state["children"]
         where = {name: host[c["host"]] for name, c in children.items()}
+        assert state["etcd"].startswith("https://")
         assert where == {"etcd": 0, "router": 0, "store-0": 0, "store-1": 1, "store-2": 2,
                          "prefill-0": 0, "decode-0": 1, "decode-1": 2}, where
         assert url.startswith(f"http://{addr[0]}:")          # host 0's address, from here
@@ -119,6 +122,12 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
         assert sum(moved(i, "out", "tcp") + moved(i, "out", "shm") for i in range(3)) \
             >= rec["kv_bytes"]["loaded"]
         assert moved(0, "in", "shm") > 0
+        # One hop: host 0's store sent the decode worker every byte it loaded (the handoff's
+        # source), over TCP; the placer's copies to the owners leave it over shared memory.
+        assert moved(0, "out", "tcp") >= rec["kv_bytes"]["loaded"]
+        for name, c in children.items():                      # TLS between every part
+            if c["kind"] in ("prefill", "decode"):
+                assert c["address"].startswith("https://"), (name, c["address"])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
