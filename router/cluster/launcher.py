@@ -318,12 +318,16 @@ class LocalCluster:
     def _py(self, module: str, *args: str) -> list[str]:
         return [self.spec.python, "-m", module, *args]
 
+    def _etcd_ports(self) -> tuple[str, int, int]:
+        """Where etcd listens: (address, client port, peer port)."""
+        return "127.0.0.1", free_port(), free_port()
+
     def _start_etcd(self) -> None:
         etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        client_port, peer_port = free_port(), free_port()
+        addr, client_port, peer_port = self._etcd_ports()
         tls = self.spec.tls
-        url = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
-        peer = f"http://127.0.0.1:{peer_port}"   # one member: no peer traffic
+        url = f"{'https' if tls else 'http'}://{addr}:{client_port}"
+        peer = f"http://{addr}:{peer_port}"   # one member: no peer traffic
         assert self._tmp is not None
         tls_args = ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca,
                     "--client-cert-auth"] if tls else []

@@ -35,7 +35,6 @@ multi-host layout.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -182,24 +181,8 @@ class MultiHostCluster(LocalCluster):
         return False   # host 0 is a fresh network namespace: nothing there but our children
 
     # -- parts ----------------------------------------------------------------------------
-    def _start_etcd(self) -> None:
-        etcd = shutil.which("etcd") or "/usr/bin/etcd"
-        addr = self._host(0).address
-        tls = self.spec.tls
-        scheme = "https" if tls else "http"
-        url, peer = f"{scheme}://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PEER_PORT}"
-        tls_args = ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca,
-                    "--client-cert-auth"] if tls else []
-        assert self._tmp is not None
-        child = self._spawn_on(0, "etcd", "etcd", [
-            etcd, "--name", "kvlocal", "--data-dir", str(Path(self._tmp) / "etcd-data"),
-            "--listen-client-urls", url, "--advertise-client-urls", url,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvlocal={peer}", *tls_args, "--logger", "zap",
-            "--log-level", "warn"], url)
-        self._wait(child, lambda: self.is_ready(child))
-        self.etcd_url = url
-        self.on_status(f"etcd ready at {url} (host 0)")
+    def _etcd_ports(self) -> tuple[str, int, int]:
+        return self._host(0).address, ETCD_PORT, ETCD_PEER_PORT   # _spawn puts etcd on host 0
 
     def _start_store(self) -> None:
         spec = self.spec
