@@ -98,7 +98,6 @@ class Placer:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[float, str, list[BlockKey]] | None] = queue.Queue(max_batches)
         self._thread: threading.Thread | None = None
-        self._busy = False
 
     def submit(self, node: str, keys: Sequence[BlockKey]) -> bool:
         """Queue ``keys`` (held by ``node``) for their owners; False when the queue is full."""
@@ -118,8 +117,7 @@ class Placer:
     @property
     def idle(self) -> bool:
         """Nothing queued or being copied."""
-        with self._lock:
-            return not self._busy and self._queue.empty()
+        return self._queue.unfinished_tasks == 0
 
     def snapshot(self) -> PlacerStats:
         with self._lock:
@@ -135,8 +133,6 @@ class Placer:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             due, node, keys = item
-            with self._lock:
-                self._busy = True
             time.sleep(max(0.0, due - time.monotonic()))
             try:
                 self._place(node, keys)
@@ -146,8 +142,7 @@ class Placer:
                     self.stats.failed_batches += 1
                     self.stats.dropped_blocks += len(keys)
             finally:
-                with self._lock:
-                    self._busy = False
+                self._queue.task_done()
 
     def _place(self, node: str, keys: list[BlockKey]) -> None:
         by_owner: dict[str, list[BlockKey]] = {}

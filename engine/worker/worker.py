@@ -263,8 +263,8 @@ class EngineWorker:
                                     cache_salt=request.cache_salt,
                                     block_keys=request.block_keys)
         except ValueError as exc:
-            if self.connector is not None:
-                self.connector.take_load_result(request.request_id)   # forget its marks
+            if self.connector is not None and request.request_id not in self._streams:
+                self.connector.take_load_result(request.request_id)   # forget its kv_source
             reason = "block_keys" if isinstance(exc, BlockKeyMismatch) else "bad_request"
             self.metrics.rejected.labels(reason).inc()
             fut.set_exception(exc)
