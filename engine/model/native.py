@@ -14,13 +14,8 @@ one logged warning, and attention falls back to gathering the blocks and calling
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api.paths import cache_home
+from kvstore.native import build_library, native_home
 
 __all__ = ["paged_decode", "native_status", "build_dir"]
 
@@ -55,49 +50,14 @@ _state = _Kernel()
 
 
 def build_dir() -> Path:
-    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``engine.api.paths.cache_home``)."""
-    return cache_home() / "native"
-
-
-def _cpu_tag() -> str:
-    try:  # -march=native code must not run on a different CPU sharing the cache
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compile(cc: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in (
-            [cc, *_CFLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [cc, *_LDFLAGS, str(obj), "-o", str(lib), "-lm"],
-        ):
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(lib, out)  # atomic: concurrent builders each publish a whole library
+    """Where built kernels are cached: ``$KVCACHE_HOME/native`` (``kvstore.native.native_home``)."""
+    return native_home()
 
 
 def _load() -> Callable[..., int]:
     if os.environ.get("KVENGINE_NATIVE", "1") == "0":
         raise RuntimeError("disabled by KVENGINE_NATIVE=0")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), " ".join(_CFLAGS + _LDFLAGS), version, _cpu_tag(),
-                   platform.machine()]).encode()
-    ).hexdigest()[:16]
-    lib_path = build_dir() / digest / "paged_decode.so"
-    if not lib_path.exists():
-        _compile(cc, lib_path)
-    lib = ctypes.CDLL(str(lib_path))  # CDLL releases the GIL during calls
+    lib = build_library(_SOURCE, cflags=_CFLAGS, ldflags=_LDFLAGS)
     fn = lib.paged_decode_f32
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]

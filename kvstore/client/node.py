@@ -11,7 +11,9 @@ into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many bl
 Buffers: anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and
 torch tensors (CPU tensors in place; a CUDA tensor through a CPU staging copy). A get's
 buffer must be C-contiguous, writable and at least as large as the block; the block fills
-its head.
+its head. A get's buffer may also be a ``kvstore.net.buffers.Sink``, which consumes each
+block where it lies: in the pinned arena on shared memory, in its own reused staging array,
+right after the block's bytes arrive, over TCP.
 
 Authentication: ``auth_token`` is the cluster secret (``kvstore.secret``); when not given, the
 environment's (``$KVCACHE_CLUSTER_SECRET``, ``$KVCACHE_CLUSTER_SECRET_FILE``, then the
@@ -275,10 +277,18 @@ class Client:
                 conn.drain(h.data_len)
                 raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
             views.append(d.array[:s])
-        conn.recv(views)  # every present block, in key order, in as few syscalls as possible
-        for d, s in zip(dests, sizes):
-            if s != P.MISSING and d.staged:
+        present = [(d, s) for d, s in zip(dests, sizes) if s != P.MISSING]
+        if any(d.sink is not None for d, _ in present):
+            # A sink consumes each block as soon as it lands, while it is still in cache;
+            # the daemon keeps sending into the socket buffer meanwhile.
+            for (d, s), view in zip(present, views):
+                conn.recv([view])
                 d.finish(s)
+        else:
+            conn.recv(views)  # every present block, in key order, in as few syscalls as possible
+            for d, s in present:
+                if d.staged:
+                    d.finish(s)
         return [s != P.MISSING for s in sizes]
 
     def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
@@ -290,6 +300,9 @@ class Client:
                     continue
                 if s > d.array.nbytes:
                     raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
+                if d.sink is not None:  # consumed where it lies, pinned: no copy before it
+                    d.sink.consume(arena[off: off + s])
+                    continue
                 np.copyto(d.array[:s], arena[off: off + s])
                 if d.staged:
                     d.finish(s)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["source_bytes", "Dest"]
+__all__ = ["source_bytes", "Dest", "Sink"]
 
 
 def _torch_of(value: object) -> ModuleType | None:
@@ -53,17 +53,44 @@ def source_bytes(value: Any) -> np.ndarray:
                          "or a torch tensor (C-contiguous)") from None
 
 
+class Sink:
+    """A get destination that consumes each block where it lies instead of receiving a copy.
+
+    On the shared-memory path ``consume(block)`` is called with the block's bytes in the
+    daemon's arena, pinned for the duration of the call (no copy precedes it); over TCP the
+    block is first received into ``staging`` (a writable flat uint8 array at least as large as
+    the block, which the sink may reuse across gets) and ``consume(staging[:size])`` follows
+    at once, while those bytes are still in cache. ``consume`` must not keep the view, and
+    should not raise: a sink records its own failures (the engine's connector verifies and
+    scatters a KV block into its paged cache this way, ``engine.kv.connector``).
+    """
+
+    __slots__ = ("staging",)
+
+    def __init__(self, staging: np.ndarray) -> None:
+        self.staging = staging
+
+    def consume(self, block: np.ndarray) -> None:
+        raise NotImplementedError
+
+
 class Dest:
     """A writable flat uint8 view (``array``) of a get buffer; a CUDA tensor gets a pinned
-    CPU staging buffer that ``finish(nbytes)`` copies to the device."""
+    CPU staging buffer that ``finish(nbytes)`` copies to the device; a ``Sink`` receives into
+    its staging array and ``finish`` hands it the bytes (``sink`` is set: the shared-memory
+    path gives it the arena's bytes instead)."""
 
-    __slots__ = ("array", "_cuda", "_torch")
+    __slots__ = ("array", "sink", "_cuda", "_torch")
 
     def __init__(self, buf: Any) -> None:
         self._cuda: Any = None
+        self.sink: Sink | None = None
         self._torch = torch = _torch_of(buf)
         self.array: np.ndarray
-        if torch is not None:
+        if isinstance(buf, Sink):
+            self.sink = buf
+            self.array = buf.staging
+        elif torch is not None:
             if buf.is_cuda:
                 if not buf.is_contiguous():
                     raise ValueError("tensor buffers must be contiguous")
@@ -87,11 +114,13 @@ class Dest:
 
     @property
     def staged(self) -> bool:
-        """True when ``finish`` must run after the bytes land (a CUDA tensor)."""
-        return self._cuda is not None
+        """True when ``finish`` must run after the bytes land (a CUDA tensor, a sink)."""
+        return self._cuda is not None or self.sink is not None
 
     def finish(self, nbytes: int) -> None:
-        if self._cuda is not None:
+        if self.sink is not None:
+            self.sink.consume(self.array[:nbytes])
+        elif self._cuda is not None:
             torch: Any = self._torch
             flat = self._cuda.reshape(-1).view(torch.uint8)
             flat[:nbytes].copy_(torch.from_numpy(self.array[:nbytes]), non_blocking=False)
