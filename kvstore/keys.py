@@ -13,6 +13,9 @@ Spec (golden vectors in ``tests/kvstore/golden_keys.json`` pin the exact bytes):
 
 Nothing here depends on the process: no Python ``hash()``, no ``PYTHONHASHSEED``. Keys are
 computed once per request as its tokens arrive (``extend_block_keys``) and carried with it.
+A list or tuple of ints is hashed in C (``kvstore.native.keys``: the ints read with the C API,
+the xxhash wheel's own XXH3-128); anything else, and every machine without a compiler, takes
+the Python loop below. Both give the golden vectors' bytes.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ def salted(namespace: bytes, cache_salt: str | bytes | None) -> BlockKey:
 
 
 _new_key = bytes.__new__  # BlockKey(x) without the length check, for digests of 16 bytes
+_native: list = []  # [the C key function or None], decided on first use
+
+
+def _native_keys():
+    """``kvstore.native.keys.block_keys_fn()``, looked up once (it builds on first use)."""
+    if not _native:
+        from kvstore.native.keys import block_keys_fn
+
+        _native.append(block_keys_fn())
+    return _native[0]
 _U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 
@@ -119,6 +132,14 @@ def extend_block_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    native = _native_keys()
+    if native is not None and (type(token_ids) is list or type(token_ids) is tuple):
+        if len(keys) > len(token_ids) // block_size:
+            raise ValueError(f"{len(keys)} keys given for {len(token_ids) // block_size} full blocks")
+        parent = bytes(keys[-1]) if keys else bytes(namespace)
+        new_keys = native(parent, token_ids, len(keys) * block_size, block_size, BlockKey)
+        if new_keys is not None:  # else an item the Python path must judge (or refuse)
+            return [*keys, *new_keys]
     data = _token_bytes(token_ids)
     n_full = len(data) // (4 * block_size)
     out = list(keys)

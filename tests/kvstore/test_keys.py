@@ -89,3 +89,44 @@ def test_list_tuple_and_array_fast_paths_agree_with_numpy():
 def test_the_list_fast_path_refuses_what_numpy_refuses(bad):
     with pytest.raises(ValueError):
         block_keys(namespace_id({"m": 1}), bad, 1)
+
+
+@pytest.fixture(params=["native", "python"])
+def key_path(request, monkeypatch):
+    """Run a test on the C key function and on the Python loop (``kvstore.keys._native``)."""
+    import kvstore.keys as keys_module
+    from kvstore.native.keys import block_keys_fn
+
+    if request.param == "native":
+        fn = block_keys_fn()
+        if fn is None:
+            pytest.skip("no C compiler or Python headers: the native key path cannot be built")
+        monkeypatch.setattr(keys_module, "_native", [fn])
+    else:
+        monkeypatch.setattr(keys_module, "_native", [None])
+    return request.param
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda c: c["facts"]["model"] + str(c["block_size"]))
+def test_golden_vectors_on_both_paths(case, key_path):
+    ns = salted(namespace_id(case["facts"]), case["salt"])
+    for form in (list(case["tokens"]), tuple(case["tokens"])):
+        keys = block_keys(ns, form, case["block_size"])
+        assert [k.hex() for k in keys] == case["keys"]
+        assert all(type(k) is BlockKey for k in keys)
+
+
+def test_both_paths_agree_on_large_ids_extension_and_refusals(key_path):
+    ns = namespace_id({"m": 2})
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 2**32, 16 * 64 + 5, dtype=np.uint64).tolist()  # digits past 2**30
+    want = block_keys(ns, np.asarray(tokens, dtype=np.uint32), 16)
+    assert block_keys(ns, tokens, 16) == want
+    assert extend_block_keys(ns, want[:10], tokens, 16) == want
+    assert extend_block_keys(ns, want, tokens, 16) == want
+    with pytest.raises(ValueError):
+        extend_block_keys(ns, want + want[:1], tokens, 16)
+    for bad in ([True] * 16, [1.5] * 16, [2**32] * 16, [-1] * 16, [2**70] * 16):
+        with pytest.raises(ValueError):
+            block_keys(ns, bad, 16)
+    assert block_keys(ns, [5] * 15, 16) == []
