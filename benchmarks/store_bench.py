@@ -4,7 +4,7 @@ One command, seeded, one JSON line on stdout, a PNG plot in ``--out``::
 
     .venv/bin/python -m benchmarks.store_bench --out benchmarks/results [--quick] [--peer mooncake]
 
-For each block size (64 KiB, 360 KiB, 720 KiB, 1 MiB, 16 MiB) and batch (1, 64) it times
+For each block size (4 KiB, 64 KiB, 360 KiB, 720 KiB, 1 MiB, 16 MiB) and batch (1, 64) it times
 ``Client.put`` and ``Client.get`` (into preallocated NumPy buffers) over the shared-memory
 path (``transport="auto"`` on the same host) and the TCP path (``transport="tcp"``), against
 a daemon started as a subprocess. In the same run it measures the two ceilings:
@@ -26,6 +26,14 @@ reach >= 60% of each ceiling. The four are timed interleaved (one repetition of 
 turn), so a burst of load from elsewhere hits them alike; each figure is the best of
 ``--iters`` repetitions after one warm-up. A batch is capped at ``--max-batch-bytes`` (fewer
 blocks of 16 MiB); the JSON records the batch actually used.
+
+Latency of batch-1 gets: ``--lat-iters`` single-block gets of each size (shm and TCP
+interleaved, one each in turn, after a warm-up), reported as ``*_get_p50_us`` /
+``*_get_p99_us``; with ``--peer mooncake`` the same count of Mooncake's one-key ``get_into``
+(and one-key ``batch_get_into``, ``mooncake_batch_get_p50_us`` ...); blocks over 1 MiB take
+1/50 of the count. Targets: one 4 KiB get
+over shared memory at p50 <= 30 us and p99 <= 100 us; batch-1 360 KiB and 720 KiB gets ahead
+of Mooncake (throughput, best round, and p50) over both paths.
 
 ``--peer mooncake`` also runs Mooncake Store on the same cases in the same run: a driver
 (``benchmarks/peers/mooncake_driver.py``) runs in Mooncake's own virtual environment
@@ -68,7 +76,7 @@ from benchmarks import lifecycle
 REPO = Path(__file__).resolve().parents[1]
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES = [64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]
+SIZES = [4 * KiB, 64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]
 BATCHES = [1, 64]
 MOONCAKE_DRIVER = REPO / "benchmarks" / "peers" / "mooncake_driver.py"
 MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-venv" / "bin" / "python"
@@ -164,6 +172,16 @@ class Mooncake:
             raise SystemExit(f"--peer mooncake: {block_bytes} B x {batch} failed: {res['error']}")
         return res
 
+    def latency(self, block_bytes: int, n: int, seed: int) -> dict:
+        """p50/p99 (us) of ``n`` one-key ``get_into`` and ``batch_get_into`` calls."""
+        self.proc.stdin.write(json.dumps({"op": "latency", "block_bytes": block_bytes, "n": n,
+                                          "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        res = self._read()
+        if "error" in res:
+            raise SystemExit(f"--peer mooncake: latency of {block_bytes} B failed: {res['error']}")
+        return res
+
     def close(self) -> None:
         try:
             self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -187,8 +205,23 @@ def best_of(fns: dict, iters: int) -> dict[str, float]:
     return {k: min(v) for k, v in times.items()}
 
 
+def latencies(fns: dict, n: int) -> dict[str, tuple[float, float]]:
+    """p50 and p99 (microseconds) of ``n`` calls of each of ``fns``, interleaved one call of
+    each in turn, after a warm-up of ``n // 10 + 1`` rounds."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(n // 10 + 1 + n):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+            if i > n // 10:
+                times[name].append(t)
+    return {k: (float(np.percentile(v, 50)) * 1e6, float(np.percentile(v, 99)) * 1e6)
+            for k, v in times.items()}
+
+
 def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, raw: RawSocket,
-             mooncake: Mooncake | None, seed: int) -> dict:
+             mooncake: Mooncake | None, seed: int, lat_iters: int = 0) -> dict:
     nbytes = size * batch
     private = rng.integers(0, 256, nbytes, dtype=np.uint8)
     shared = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED), np.uint8)
@@ -216,6 +249,12 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
         "raw_socket": lambda: raw.get(dst),
         "tcp_get": lambda: tcp.get(keys["tcp"], dst),
     }, iters)
+    if batch == 1 and lat_iters:
+        lat_iters = lat_iters if size <= MiB else max(20, lat_iters // 50)  # 16 MiB: ms each
+        lat = latencies({"shm_get": lambda: shm.get(keys["shm"], dst),
+                         "tcp_get": lambda: tcp.get(keys["tcp"], dst)}, lat_iters)
+        for name, (p50, p99) in lat.items():
+            row[f"{name}_p50_us"], row[f"{name}_p99_us"] = p50, p99
     for name, client in clients.items():
         client.delete(keys[name])
     for name, s in best.items():
@@ -225,8 +264,16 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
     if mooncake is not None:
         mc = mooncake.case(size, batch, iters, seed)
         row["mooncake_put_gbps"], row["mooncake_get_gbps"] = mc["put_gbps"], mc["get_gbps"]
-        row["shm_get_vs_mooncake"] = row["shm_get_gbps"] / mc["get_gbps"]
-        row["tcp_get_vs_mooncake"] = row["tcp_get_gbps"] / mc["get_gbps"]
+        peer = mc["get_gbps"]
+        if "get_into_gbps" in mc:  # batch 1: Mooncake's faster one-key call
+            row["mooncake_get_into_gbps"] = mc["get_into_gbps"]
+            peer = max(peer, mc["get_into_gbps"])
+        row["shm_get_vs_mooncake"] = row["shm_get_gbps"] / peer
+        row["tcp_get_vs_mooncake"] = row["tcp_get_gbps"] / peer
+        if batch == 1 and lat_iters:
+            ml = mooncake.latency(size, lat_iters, seed)
+            row["mooncake_get_p50_us"], row["mooncake_get_p99_us"] = ml["get_into_us"]
+            row["mooncake_batch_get_p50_us"], row["mooncake_batch_get_p99_us"] = ml["batch_get_into_us"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -238,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the block contents and keys")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed iterations per case, best taken (default 15; --quick 5)")
+    ap.add_argument("--lat-iters", type=int, default=None,
+                    help="single-block gets timed per size for p50/p99 (default 5000; --quick 500)")
     ap.add_argument("--memory", default="2G", help="daemon arena size (and Mooncake's pool)")
     ap.add_argument("--max-batch-bytes", default=None,
                     help="cap on one batch in bytes (default 512 MiB; --quick 64 MiB)")
@@ -260,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     iters = args.iters or (5 if args.quick else 15)
+    lat_iters = args.lat_iters if args.lat_iters is not None else (500 if args.quick else 5000)
     cap = int(args.max_batch_bytes or (64 * MiB if args.quick else 512 * MiB))
     rng = np.random.default_rng(args.seed)
     out = Path(args.out)
@@ -283,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         tcp = Client(address, transport="tcp")
         assert shm.transport == "shm", "the benchmark must run on the daemon's host"
         for size, batch in tqdm(cases, desc="store_bench", file=sys.stderr):
-            rows.append(run_case(size, batch, iters, rng, shm, tcp, raw, mooncake, args.seed))
+            rows.append(run_case(size, batch, iters, rng, shm, tcp, raw, mooncake, args.seed,
+                                 lat_iters))
         shm.close()
         tcp.close()
     finally:
@@ -298,13 +349,24 @@ def main(argv: list[str] | None = None) -> None:
         "shm_get_ge_60pct_memcpy": all(r["shm_get_vs_memcpy"] >= 0.6 for r in batched),
         "tcp_get_ge_60pct_raw_socket": all(r["tcp_get_vs_raw_socket"] >= 0.6 for r in batched),
     }
+    small = [r for r in rows if r["batch"] == 1 and r["block_bytes"] == 4 * KiB and "shm_get_p50_us" in r]
+    if small:
+        targets["shm_4k_get_p50_le_30us_p99_le_100us"] = all(
+            r["shm_get_p50_us"] <= 30 and r["shm_get_p99_us"] <= 100 for r in small)
     if mooncake is not None:
         targets["shm_and_tcp_get_beat_mooncake"] = all(
             min(r["shm_get_vs_mooncake"], r["tcp_get_vs_mooncake"]) > 1 for r in batched)
+        single = [r for r in rows if r["batch"] == 1 and r["block_bytes"] in (360 * KiB, 720 * KiB)]
+        targets["single_360k_720k_get_beat_mooncake"] = all(
+            min(r["shm_get_vs_mooncake"], r["tcp_get_vs_mooncake"]) > 1
+            and ("mooncake_get_p50_us" not in r
+                 or max(r["shm_get_p50_us"], r["tcp_get_p50_us"]) < r["mooncake_get_p50_us"])
+            for r in single)
     plot = out / "store_bench.png"
     _plot(rows, plot)
     print(json.dumps({
         "bench": "store", "seed": args.seed, "quick": args.quick, "iters": iters,
+        "lat_iters": lat_iters,
         "peers": {"mooncake": mooncake.version} if mooncake is not None else {},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "processor": platform.processor()},

@@ -15,6 +15,9 @@ answers each request line::
 
     {"op": "case", "block_bytes": N, "batch": B, "iters": I, "seed": S}
       -> {"put_gbps": ..., "get_gbps": ..., "put_s": [...], "get_s": [...]}
+         (batch 1 also "get_into_gbps": the best single ``get_into``, Mooncake's one-key call)
+    {"op": "latency", "block_bytes": N, "n": COUNT, "seed": S}
+      -> {"get_into_us": [p50, p99], "batch_get_into_us": [p50, p99]}
     {"op": "quit"}
 
 An error is answered ``{"error": "..."}``. Timing is the same as store_bench's: each put
@@ -141,8 +144,58 @@ class Driver:
             for a in src + dst:
                 self.store.unregister_buffer(a.ctypes.data)
         nbytes = block_bytes * batch
-        return {"put_gbps": nbytes / min(put_s[1:]) / 1e9, "get_gbps": nbytes / min(get_s[1:]) / 1e9,
-                "put_s": put_s[1:], "get_s": get_s[1:]}
+        out = {"put_gbps": nbytes / min(put_s[1:]) / 1e9, "get_gbps": nbytes / min(get_s[1:]) / 1e9,
+               "put_s": put_s[1:], "get_s": get_s[1:]}
+        if batch == 1:
+            out["get_into_gbps"] = nbytes / min(self._single_gets(block_bytes, iters, rng)) / 1e9
+        return out
+
+    def _single_gets(self, block_bytes: int, n: int, rng) -> list[float]:
+        """Seconds of each of ``n`` one-key ``get_into`` calls (after one warm-up)."""
+        return self.latency(block_bytes, n, rng, raw=True)["get_into_s"]
+
+    def latency(self, block_bytes: int, n: int, rng, raw: bool = False) -> dict:
+        """``n`` one-key gets each of ``get_into`` and ``batch_get_into`` (one key),
+        interleaved, after a warm-up: p50 and p99 in microseconds."""
+        import numpy as np
+
+        src = rng.integers(0, 256, block_bytes, dtype=np.uint8)
+        dst = np.ones(block_bytes, np.uint8)
+        for a in (src, dst):
+            if self.store.register_buffer(a.ctypes.data, a.nbytes) != 0:
+                raise RuntimeError("register_buffer failed")
+        key = rng.bytes(16).hex()
+        single, batched = [], []
+        try:
+            self.store.batch_remove([key], True)
+            rcs = self.store.batch_put_from([key], [src.ctypes.data], [block_bytes])
+            if any(rc != 0 for rc in rcs):
+                raise RuntimeError(f"batch_put_from returned {sorted(set(rcs))}")
+            ptr = dst.ctypes.data
+            for i in range(n + 1):
+                t0 = time.perf_counter()
+                got = self.store.get_into(key, ptr, block_bytes)
+                t1 = time.perf_counter()
+                (got2,) = self.store.batch_get_into([key], [ptr], [block_bytes])
+                t2 = time.perf_counter()
+                if got != block_bytes or got2 != block_bytes:
+                    raise RuntimeError(f"get_into returned {got}, batch_get_into {got2}")
+                if i:
+                    single.append(t1 - t0)
+                    batched.append(t2 - t1)
+            if not np.array_equal(dst, src):
+                raise RuntimeError("Mooncake returned wrong bytes")
+            self.store.batch_remove([key], True)
+        finally:
+            for a in (src, dst):
+                self.store.unregister_buffer(a.ctypes.data)
+        if raw:
+            return {"get_into_s": single}
+
+        def pct(xs: list[float]) -> list[float]:
+            return [float(np.percentile(xs, q)) * 1e6 for q in (50, 99)]
+
+        return {"get_into_us": pct(single), "batch_get_into_us": pct(batched)}
 
     def close(self) -> None:
         try:
@@ -181,7 +234,13 @@ def serve(memory: int, log_dir: Path) -> None:
             if req.get("op") == "quit":
                 break
             try:
-                res = driver.case(req["block_bytes"], req["batch"], req["iters"], req.get("seed", 0))
+                if req.get("op") == "latency":
+                    import numpy as np
+
+                    res = driver.latency(req["block_bytes"], req["n"],
+                                         np.random.default_rng(req.get("seed", 0)))
+                else:
+                    res = driver.case(req["block_bytes"], req["batch"], req["iters"], req.get("seed", 0))
             except Exception as e:
                 res = {"error": f"{type(e).__name__}: {e}"}
             print(json.dumps(res), file=out, flush=True)

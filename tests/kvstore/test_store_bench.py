@@ -14,18 +14,23 @@ pytestmark = pytest.mark.integration
 
 
 def test_one_json_line_with_ratios_and_a_plot(tmp_path):
-    r = subprocess.run([sys.executable, *BENCH, "--quick", "--iters", "1", "--memory", "256M",
+    r = subprocess.run([sys.executable, *BENCH, "--quick", "--iters", "1", "--lat-iters", "20",
+                        "--memory", "256M",
                         "--max-batch-bytes", str(4 << 20), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     (line,) = r.stdout.strip().splitlines()
     result = json.loads(line)
-    assert len(result["results"]) == 10 and (tmp_path / "store_bench.png").stat().st_size > 0
+    assert len(result["results"]) == 12 and (tmp_path / "store_bench.png").stat().st_size > 0
     for row in result["results"]:
         assert row["batch"] * row["block_bytes"] <= max(4 << 20, row["block_bytes"])
         for key in ("memcpy_gbps", "raw_socket_gbps", "shm_get_gbps", "tcp_get_gbps"):
             assert row[key] > 0
-    assert set(result["targets_met"]) == {"shm_get_ge_60pct_memcpy", "tcp_get_ge_60pct_raw_socket"}
+        if row["batch"] == 1:  # batch-1 latency columns
+            assert 0 < row["shm_get_p50_us"] <= row["shm_get_p99_us"]
+            assert 0 < row["tcp_get_p50_us"] <= row["tcp_get_p99_us"]
+    assert set(result["targets_met"]) == {"shm_get_ge_60pct_memcpy", "tcp_get_ge_60pct_raw_socket",
+                                          "shm_4k_get_p50_le_30us_p99_le_100us"}
 
 
 def test_peer_mooncake_without_its_environment_says_what_to_do(tmp_path):
