@@ -20,11 +20,12 @@ requests), from its load events. How the costs are learned: ``router.workers.fit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.workers.load import WorkerLoad
 
-__all__ = ["PrefillEstimate", "estimate_prefill", "ttft_s"]
+__all__ = ["PrefillEstimate", "estimate_prefill", "ttft_s", "ttft_each"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +86,37 @@ def ttft_s(worker: WorkerLoad, num_tokens: int, device_blocks: int, store_blocks
     c, lc = worker.prefill_cost, worker.load_cost
     return (worker.queue_s + (c.overhead_s + uncached * c.per_token_s)
             + (lc.overhead_s + store * lc.per_token_s if store else 0.0))
+
+
+def ttft_each(workers: Sequence[WorkerLoad], num_tokens: int, device_blocks: Sequence[int],
+              store_blocks: int) -> list[float]:
+    """``[ttft_s(w, num_tokens, d, store_blocks) for w, d in zip(workers, device_blocks)]``,
+    bit for bit, in one loop with no call per worker: a decision scores every candidate on
+    every request. ``WorkerLoad.queue_s`` is inlined (the same arithmetic in the same order;
+    tests/router/test_cost.py pins the two together)."""
+    out: list[float] = []
+    append, last = out.append, num_tokens - 1
+    for w, d in zip(workers, device_blocks):
+        c = w.prefill_cost
+        per_token, pending = c.per_token_s, w.pending_prefills
+        queue = w.pending_prefill_tokens * per_token + pending * c.overhead_s
+        others = w.figures.waiting - pending
+        if others > 0:
+            mean = c.mean_tokens
+            queue += others * c.seconds(w.rates.pivot_tokens if mean is None else mean)
+        if num_tokens:
+            bs = w.info.block_size
+            device = d * bs
+            if device > last:
+                device = last
+            cached = (d if d > store_blocks else store_blocks) * bs
+            if cached > last:
+                cached = last
+            t = queue + (c.overhead_s + (num_tokens - cached) * per_token)
+            if cached > device:   # store-hit tokens: a load
+                lc = w.load_cost
+                t += lc.overhead_s + (cached - device) * lc.per_token_s
+        else:
+            t = queue + (c.overhead_s + 0 * per_token)
+        append(t)
+    return out

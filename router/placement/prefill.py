@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Collection, Sequence
 from typing import Literal
 
-from router.placement.cost import PrefillEstimate, estimate_prefill, ttft_s
+from router.placement.cost import PrefillEstimate, estimate_prefill, ttft_each
 from router.workers.kv_index import KvIndex
 from router.workers.load import WorkerLoad
 from router.workers.pool import WorkerHandle
@@ -56,21 +56,24 @@ class PrefillPolicy:
             ordered = sorted(candidates, key=lambda w: w.worker_id)
             w = ordered[next(self._counter) % len(ordered)]
             return w, self._estimate(w, keys, num_tokens, store_blocks)
-        # One index walk, then a float per candidate; the minimum of (primary, secondary,
-        # worker id) is what sorting by worker id and taking the first minimum would give.
-        matches = self._index.match(keys, [w.worker_id for w in candidates])
-        best, best_ttft = None, 0.0
-        for w in candidates:
-            ttft = ttft_s(w, num_tokens, matches[w.worker_id], store_blocks)
-            if best is None:
-                best, best_ttft = w, ttft
-            elif self.name == "kv-aware":
-                if ttft < best_ttft or (ttft == best_ttft and (w.load, w.worker_id) < (best.load, best.worker_id)):
-                    best, best_ttft = w, ttft
-            elif (w.load, ttft, w.worker_id) < (best.load, best_ttft, best.worker_id):
-                best, best_ttft = w, ttft
-        assert best is not None
-        return best, estimate_prefill(best, num_tokens, matches[best.worker_id], store_blocks)
+        # One index walk, then a float per candidate (one loop, ``ttft_each``); the minimum
+        # of (primary, secondary, worker id) is what sorting by worker id and taking the first
+        # minimum would give.
+        ids = [w.info.worker_id for w in candidates]
+        matches = self._index.match(keys, ids)
+        depths = list(map(matches.__getitem__, ids))
+        ttfts = ttft_each(candidates, num_tokens, depths, store_blocks)
+        if self.name == "kv-aware":
+            low = min(ttfts)
+            if ttfts.count(low) == 1:
+                i = ttfts.index(low)
+            else:  # equal estimates: the least loaded, then the lowest worker id
+                i = min((i for i, t in enumerate(ttfts) if t == low),
+                        key=lambda i: (candidates[i].load, ids[i]))
+        else:
+            i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
+        best = candidates[i]
+        return best, estimate_prefill(best, num_tokens, depths[i], store_blocks)
 
     def _estimate(self, w: WorkerLoad, keys: Sequence[bytes], num_tokens: int,
                   store_blocks: int) -> PrefillEstimate:

@@ -4,13 +4,18 @@ Fed by each worker's ordered event stream (``stored`` / ``removed`` / ``load``, 
 for all three) and by snapshots; asked, on the hot path of every routing decision, "how many
 leading blocks of this prompt does each worker hold".
 
-Layout: one dict ``key -> bitmask of workers`` (each worker gets a bit slot), plus each
-worker's own key set so that a worker can be dropped or resynchronized without scanning the
-whole index. A match walks the prompt's keys once, AND-ing masks until no worker is left:
-O(matched blocks) dict lookups whatever the number of workers (runs of equal masks walked at
-C speed, see ``match``), the flat equivalent of Dynamo's radix-tree ``find_matches`` (keys are
-chained prefix hashes, so a key already names its whole prefix and a tree adds nothing to the
-lookup).
+Layout: one table ``key -> bitmask of workers`` (each worker gets a bit slot), plus each
+worker's own key set (the truth the table is derived from) so that a worker can be dropped or
+resynchronized without scanning the whole index. A match walks the prompt's keys once,
+AND-ing masks until no worker is left: O(matched blocks) lookups whatever the number of
+workers, the flat equivalent of Dynamo's radix-tree ``find_matches`` (keys are chained prefix
+hashes, so a key already names its whole prefix and a tree adds nothing to the lookup).
+
+The table is native where it can be built (``router/csrc/kv_index.c`` through
+:mod:`router.workers.kv_native`: open addressing over the keys' 16 bytes and a 64-bit mask,
+the walk one C call that prefetches a few keys ahead), else a Python dict walked with
+``map``/``groupby`` (runs of equal masks at C speed). Both give the same answers; the index
+moves to the dict for good if a 65th worker slot or a key that is not 16 bytes turns up.
 
 Sequence contract, per worker:
 - Until its first snapshot a worker is *unsynced*: events are ignored, ``apply`` returns False.
@@ -25,12 +30,19 @@ Not thread-safe: the router drives it from its event loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from itertools import groupby, repeat
+from typing import Any
 
 from engine.api.events import BlockEvent, LoadEvent, Snapshot, WorkerEvent
+from router.workers.kv_native import native_status, table_type
 
 __all__ = ["KvIndex"]
+
+log = logging.getLogger(__name__)
+
+NATIVE_SLOTS = 64  # the native table's masks are 64-bit: worker slot 64 moves the index to Python
 
 
 class _Worker:
@@ -44,14 +56,26 @@ class _Worker:
 
 
 class KvIndex:
-    """Block key → workers holding it; longest leading match per worker."""
+    """Block key → workers holding it; longest leading match per worker.
 
-    def __init__(self) -> None:
-        self._holders: dict[bytes, int] = {}
+    ``native``: None (default) uses the native table where it can be built, else the Python
+    dict; False always the dict; True requires the native table (RuntimeError without it)."""
+
+    def __init__(self, native: bool | None = None) -> None:
+        table_cls = table_type() if native is not False else None
+        if native and table_cls is None:
+            raise RuntimeError(f"the native index table is unavailable: {native_status()}")
+        self._table: Any = table_cls() if table_cls is not None else None
+        self._holders: dict[bytes, int] = {}  # the Python path's table (while _table is None)
         self._workers: dict[str, _Worker] = {}
-        self._by_slot: dict[int, str] = {}
+        self._names: list[str | None] = []    # worker id by slot (None: a free slot)
+        self._all = 0                         # every worker's bit
         self._free_slots: list[int] = []
-        self._next_slot = 0
+
+    @property
+    def backend(self) -> str:
+        """``"native"`` (the C table) or ``"python"`` (the dict)."""
+        return "python" if self._table is None else "native"
 
     # --- membership -----------------------------------------------------------------------
 
@@ -61,18 +85,23 @@ class KvIndex:
             return
         if self._free_slots:
             slot = self._free_slots.pop()
+            self._names[slot] = worker_id
         else:
-            slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self._workers[worker_id] = _Worker(slot)
-        self._by_slot[slot] = worker_id
+            slot = len(self._names)
+            self._names.append(worker_id)
+        if slot >= NATIVE_SLOTS and self._table is not None:
+            self._to_python(f"worker slot {slot} does not fit a 64-bit mask")
+        w = self._workers[worker_id] = _Worker(slot)
+        self._all |= w.bit
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget ``worker_id`` and every block it held. Idempotent."""
         w = self._workers.pop(worker_id, None)
         if w is None:
             return
-        self._drop_keys(w, w.keys)
-        del self._by_slot[w.slot]
+        self._drop_keys(w, list(w.keys))
+        self._names[w.slot] = None
+        self._all &= ~w.bit
         self._free_slots.append(w.slot)
 
     @property
@@ -103,9 +132,9 @@ class KvIndex:
         w.seq = event.seq
         if isinstance(event, BlockEvent):
             if event.type == "stored":
-                self._add_keys(w, [k for k in event.keys if k not in w.keys])
+                self._add_keys(w, set(event.keys).difference(w.keys))
             else:
-                self._drop_keys(w, [k for k in event.keys if k in w.keys])
+                self._drop_keys(w, w.keys.intersection(event.keys))
         else:
             assert isinstance(event, LoadEvent)
         return True
@@ -123,21 +152,23 @@ class KvIndex:
 
     def match(self, keys: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
         """For each worker (all, or those named), the number of leading ``keys`` it holds."""
+        result: dict[str, int] = {}
         if workers is None:
-            active = 0
-            for w in self._workers.values():
-                active |= w.bit
-            result: dict[str, int] = {}
+            active = self._all
         else:
             active = 0
-            result = {}
+            get = self._workers.get
             for wid in workers:
-                w = self._workers.get(wid)
+                w = get(wid)
                 if w is None:
                     result[wid] = 0
                 else:
                     active |= w.bit
-        by_slot = self._by_slot
+        if self._table is not None:
+            # One C call: walks the keys (prefetching ahead) and fills ``result``.
+            self._table.match(keys, active, self._names, result)
+            return result
+        names = self._names
         depth = 0
         # The masks are looked up lazily (map) and consumed a run of equal masks at a time
         # (groupby): a run is walked at C speed, Python only runs where the mask changes, and
@@ -148,7 +179,7 @@ class KvIndex:
                 lost = active & ~held
                 while lost:
                     low = lost & -lost
-                    result[by_slot[low.bit_length() - 1]] = depth
+                    result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
                     lost ^= low
                 active = held
                 if not active:
@@ -156,12 +187,12 @@ class KvIndex:
             depth += len(list(run))
         while active:
             low = active & -active
-            result[by_slot[low.bit_length() - 1]] = depth
+            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
             active ^= low
         return result
 
     def holders(self, key: bytes) -> list[str]:
-        mask = self._holders.get(key, 0)
+        mask = self._holders.get(key, 0) if self._table is None else self._table.get(key)
         return [wid for wid, w in self._workers.items() if mask & w.bit]
 
     def num_blocks(self, worker_id: str) -> int:
@@ -170,22 +201,48 @@ class KvIndex:
 
     def __len__(self) -> int:
         """Distinct keys held by any worker."""
-        return len(self._holders)
+        return len(self._holders) if self._table is None else len(self._table)
 
     # --- internals ------------------------------------------------------------------------
+    # Each worker's key set is the truth; the table (native, or the dict) is derived from them.
 
     def _add_keys(self, w: _Worker, keys: Iterable[bytes]) -> None:
-        holders, bit = self._holders, w.bit
-        for k in keys:
-            holders[k] = holders.get(k, 0) | bit
-            w.keys.add(k)
+        keys = list(keys)
+        if self._table is not None:
+            try:
+                self._table.add(keys, w.bit)
+            except ValueError as e:  # a key that is not 16 bytes: the dict takes any bytes
+                self._to_python(str(e))
+        if self._table is None:
+            holders, bit = self._holders, w.bit
+            for k in keys:
+                holders[k] = holders.get(k, 0) | bit
+        w.keys.update(keys)
 
     def _drop_keys(self, w: _Worker, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        w.keys.difference_update(keys)
+        if self._table is not None:
+            try:
+                self._table.drop(keys, w.bit)
+                return
+            except ValueError as e:
+                self._to_python(str(e))   # rebuilt from the key sets: the keys are gone already
+                return
         holders, clear = self._holders, ~w.bit
-        for k in list(keys):
+        for k in keys:
             mask = holders.get(k, 0) & clear
             if mask:
                 holders[k] = mask
             else:
                 holders.pop(k, None)
-            w.keys.discard(k)
+
+    def _to_python(self, why: str) -> None:
+        """Move to the Python dict for good (rebuilt from the workers' key sets)."""
+        log.warning("KvIndex: native table left for the Python dict: %s", why)
+        holders: dict[bytes, int] = {}
+        for w in self._workers.values():
+            bit = w.bit
+            for k in w.keys:
+                holders[k] = holders.get(k, 0) | bit
+        self._holders, self._table = holders, None

@@ -1,0 +1,81 @@
+"""The decision's fast paths against the plain cost model: ``ttft_each`` (every candidate in
+one loop, ``WorkerLoad.queue_s`` inlined) gives ``estimate_prefill(...).ttft_s`` bit for bit,
+and ``PrefillPolicy.choose`` picks what sorting every estimate would pick, ties included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.api.events import LoadFigures, Snapshot
+from engine.api.generate import RequestStats, WorkerInfo
+from kvstore.keys import block_keys
+from router.placement.cost import estimate_prefill, ttft_each, ttft_s
+from router.placement.prefill import PrefillPolicy
+from router.workers.fit import RateConfig
+from router.workers.kv_index import KvIndex
+from router.workers.load import WorkerLoad
+
+NS = bytes(16)
+
+
+def _random_worker(rng: random.Random, i: int, block_size: int | None = None) -> WorkerLoad:
+    bs = rng.choice([1, 4, 16, 32]) if block_size is None else block_size
+    info = WorkerInfo(f"w{i}", f"http://w{i}:1", "prefill", "m", NS, bs, 4096, 32768)
+    w = WorkerLoad(info, RateConfig(prefill_tokens_per_s=rng.uniform(500, 20_000),
+                                    load_tokens_per_s=rng.uniform(1e4, 2e5),
+                                    prefill_overhead_s=rng.choice([0.0, 0.01, 0.03])))
+    if rng.random() < 0.7:
+        w.observe_load(LoadFigures(waiting=rng.randint(0, 6), running=rng.randint(0, 3),
+                                   prefill_tokens_per_s=rng.uniform(0, 3e4),
+                                   load_tokens_per_s=rng.uniform(0, 3e5)))
+    for _ in range(rng.randint(0, 12)):   # a fitted cost (and a mean sample size) or the prior
+        n = rng.randint(1, 4000)
+        w.observe_stats(RequestStats(computed_prompt_tokens=n, prefill_s=0.01 + n / 9000,
+                                     store_hit_tokens=rng.choice([0, n]), store_load_s=n / 1e5))
+    for _ in range(rng.randint(0, 3)):
+        w.assign(rng.choice([0, rng.randint(1, 5000)]), rng.randint(0, 10))
+    return w
+
+
+def test_ttft_each_is_the_estimate_bit_for_bit() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        workers = [_random_worker(rng, i) for i in range(rng.randint(1, 8))]
+        num_tokens = rng.choice([0, 1, 15, 16, 17, rng.randint(1, 9000)])
+        device = [rng.choice([0, 1, rng.randint(0, 600)]) for _ in workers]
+        store = rng.choice([0, rng.randint(0, 600)])
+        want = [estimate_prefill(w, num_tokens, d, store).ttft_s for w, d in zip(workers, device)]
+        assert ttft_each(workers, num_tokens, device, store) == want
+        assert [ttft_s(w, num_tokens, d, store) for w, d in zip(workers, device)] == want
+
+
+@pytest.mark.parametrize("policy_name", ["kv-aware", "least-loaded"])
+def test_choose_is_the_minimum_of_every_estimate_ties_included(policy_name: str) -> None:
+    rng = random.Random(3)
+    keys = block_keys(NS, list(range(16 * 40)), 16)
+    for trial in range(150):
+        n = rng.randint(1, 6)
+        if trial % 3 == 0:   # identical books: equal estimates, decided by load then id
+            workers = [_random_worker(random.Random(trial), i, 16) for i in range(n)]
+            for w in workers[: rng.randint(0, n)]:
+                w.inflight_requests += 1   # more load, the same estimate
+        else:
+            workers = [_random_worker(rng, i, 16) for i in range(n)]
+        rng.shuffle(workers)
+        index = KvIndex()
+        for w in workers:
+            held = 0 if trial % 3 == 0 else rng.randint(0, len(keys))
+            index.reset(w.worker_id, Snapshot(0, tuple(keys[:held]), LoadFigures()))
+        policy = PrefillPolicy(policy_name, index)  # type: ignore[arg-type]
+        num_tokens, store = len(keys) * 16 + rng.randint(0, 15), rng.randint(0, len(keys))
+        ests = policy.estimates(workers, keys, num_tokens, store)
+        load = {w.worker_id: w.load for w in workers}
+        if policy_name == "kv-aware":
+            want = min(ests, key=lambda e: (e.ttft_s, load[e.worker_id], e.worker_id))
+        else:
+            want = min(ests, key=lambda e: (load[e.worker_id], e.ttft_s, e.worker_id))
+        chosen = policy.choose(workers, keys, num_tokens, store)
+        assert chosen is not None
+        assert chosen[0].worker_id == want.worker_id and chosen[1] == want
