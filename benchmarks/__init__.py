@@ -13,6 +13,7 @@ flags)::
 
     .venv/bin/python -m benchmarks.store_bench      # the store daemon: put/get throughput
     .venv/bin/python -m benchmarks.store_conn_bench  # the store daemon under 10,000 idle connections
+    .venv/bin/python -m benchmarks.load_bench       # a store hit's load into the paged cache vs memcpy
     .venv/bin/python -m benchmarks.router_bench     # one routing decision vs index size
     .venv/bin/python -m benchmarks.engine_bench     # ModelRunner vs transformers
     .venv/bin/python -m benchmarks.attention_bench  # native decode kernel vs torch

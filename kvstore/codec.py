@@ -39,6 +39,7 @@ __all__ = [
     "encode",
     "encode_into",
     "decode",
+    "header_template",
 ]
 
 MAGIC = b"KVBK"
@@ -102,6 +103,17 @@ def encode_into(out, key: bytes, dtype: str, shape: tuple[int, ...], payload) ->
     struct.pack_into(f"<{MAX_NDIM}I", dst, _FIXED.size, *shape, *([0] * (MAX_NDIM - len(shape))))
     dst[HEADER_SIZE : HEADER_SIZE + n] = src
     return HEADER_SIZE + n
+
+
+def header_template(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """The 64-byte header every block of this dtype and shape has, with a zero key and
+    checksum: a verifier compares the rest byte for byte (``kvstore.native.blocks``)."""
+    shape = tuple(int(d) for d in shape)
+    out = bytearray(HEADER_SIZE)
+    _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, DTYPES[dtype][0], len(shape), bytes(16), 0,
+                     _payload_len(dtype, shape))
+    struct.pack_into(f"<{MAX_NDIM}I", out, _FIXED.size, *shape, *([0] * (MAX_NDIM - len(shape))))
+    return bytes(out)
 
 
 def encode(key: bytes, dtype: str, shape: tuple[int, ...], payload) -> bytearray:

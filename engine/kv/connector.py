@@ -7,11 +7,16 @@ Data path (keys and block ids; usable without an engine):
   raw bytes of the cache dtype, bf16 included), filed under the block's ``BlockKey``.
 - ``lookup(keys)`` is side-effect free: how many leading ``keys`` the store holds. A store
   that cannot be reached holds nothing (0); it never fails a request.
-- ``load_blocks(keys, block_ids)`` fetches the blocks in one batch into a pooled staging
-  buffer (pinned on CUDA, reused by a later load once its copy is done), verifies every one
-  (header key, dtype, shape, checksum) and writes only the leading run of verified blocks into
-  the cache. It returns that run's length; a missing or corrupt block and everything after it
-  are left for the engine to recompute, and are counted. Unverified bytes never reach the cache.
+- ``load_blocks(keys, block_ids)`` fetches the blocks in one batch and verifies every one
+  (header key, dtype, shape, checksum) before it reaches the cache. On a contiguous CPU cache
+  each block is verified where it lies (pinned in the store's arena on shared memory, in a
+  reused receive buffer over TCP) and copied straight into its slot (``engine.kv.scatter``);
+  on CUDA the blocks land in a pooled pinned staging buffer (reused by a later load once its
+  copy is done), are verified there and go to the device in one asynchronous copy and one
+  ``index_copy_``. It returns the length of the leading run of verified blocks; a missing or
+  corrupt block and everything after it are left for the engine to recompute (their slots
+  may hold verified bytes of later blocks, which the recompute overwrites), and are counted.
+  Unverified bytes never reach the cache.
 - ``save_blocks(keys, block_ids, request_id)`` copies the blocks out of the cache at once (the
   engine may reuse them as soon as it returns) and hands the copy to a background thread that
   skips blocks the store already holds, encodes the rest and puts them in batches, overlapped
@@ -49,11 +54,13 @@ import torch
 
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
+from engine.kv.scatter import ScatterLoad, scatter_kernel
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import BlockKey
+from kvstore.native.blocks import VERIFY_CODES
 
 if TYPE_CHECKING:
     from engine.core.request import Request
@@ -158,6 +165,10 @@ class KVStoreConnector:
         # Loads run one at a time on the engine thread: one buffer per size is enough.
         self._load_pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
                                        keep_per_size=1)
+        # A contiguous CPU cache loads through sinks that verify and scatter in one pass
+        # (engine.kv.scatter); CUDA caches and machines without the kernel take the staged path.
+        self._scatter = scatter_kernel(kv_cache)
+        self._template = codec.header_template(self.dtype_name, self.block_shape)
         self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool, self.stats,
                             self._stats_lock, dtype_name=self.dtype_name,
                             block_shape=self.block_shape, payload_bytes=self.payload_bytes,
@@ -251,7 +262,10 @@ class KVStoreConnector:
         buf = self._load_pool.take(n)  # pinned on CUDA; rows past n are unused
         # An exception leaves the buffer to the garbage collector (torch's pinned allocator
         # waits for any copy still reading it); a normal return gives it back.
-        good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids, source)
+        if self._scatter is not None:
+            good, missing, corrupt, ready = self._fetch_scatter(buf, keys, block_ids, source)
+        else:
+            good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids, source)
         self._load_pool.give(buf, ready)
         seconds = time.perf_counter() - t0
         nbytes = good * self.payload_bytes
@@ -279,6 +293,32 @@ class KVStoreConnector:
             for i, f in zip(miss, self.client.get([keys[i] for i in miss], [dests[i] for i in miss])):
                 found[i] = f
         return found
+
+    def _fetch_scatter(
+        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],
+        source: str | None,
+    ) -> tuple[int, int, int, None]:
+        """Get ``keys`` through sinks that verify each block where it lies and copy it into its
+        slot (``engine.kv.scatter``); ``buf``'s rows are the TCP path's landing space."""
+        assert self._scatter is not None
+        load = ScatterLoad(self._scatter, self.kv_cache, self._template, keys, block_ids,
+                           buf.numpy())
+        n = len(keys)
+        try:
+            found = self._get(list(keys), list(load.sinks), source)
+        except KVStoreError as exc:
+            log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
+            with self._stats_lock:
+                self.stats.store_errors += 1
+            return 0, n, 0, None
+        good, bad = load.leading_run(found)
+        if bad < 0:
+            return good, 0, 0, None
+        if not found[bad]:
+            return good, 1, 0, None
+        log.warning("block %s failed verification (%s), recomputing it", keys[bad].hex(),
+                    VERIFY_CODES.get(load.status[bad], load.status[bad]))
+        return good, 0, 1, None
 
     def _fetch_verify_copy(
         self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],

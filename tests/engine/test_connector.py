@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from kvstore import codec
 from kvstore.errors import StoreUnavailable
+from kvstore.net.buffers import Sink
 from kvstore.keys import block_keys, namespace_id
 
 from engine.kv.connector import KVStoreConnector
@@ -48,7 +50,10 @@ class DictStore:
         for k, b in zip(keys, buffers, strict=True):
             v = self.data.get(bytes(k))
             if v is not None:
-                memoryview(b).cast("B")[: len(v)] = v
+                if isinstance(b, Sink):  # consumed where it lies, as a real client does
+                    b.consume(np.frombuffer(v, np.uint8))
+                else:
+                    memoryview(b).cast("B")[: len(v)] = v
             out.append(v is not None)
         return out
 
@@ -247,7 +252,9 @@ class RecordingStore(DictStore):
         return super().get(keys, buffers)
 
     def address(self, call: int) -> int:
-        return self.buffers[call][0].ctypes.data
+        """Where the first block of get ``call`` landed (a sink's staging row, else the buffer)."""
+        first = self.buffers[call][0]
+        return (first.staging if isinstance(first, Sink) else first).ctypes.data
 
 
 def test_loads_reuse_one_pooled_staging_buffer(keys):
