@@ -49,7 +49,7 @@ import numpy as np
 
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
-from kvstore.net.buffers import Dest, source_bytes
+from kvstore.net.buffers import Dest, Sink, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
@@ -295,17 +295,20 @@ class Client:
         arena = conn.arena_np
         assert arena is not None, "the shared-memory path runs on a mapped connection only"
         with _pinned(conn, keys) as (offsets, sizes):
+            sunk: list[tuple[Sink, np.ndarray]] = []
             for i, (d, off, s) in enumerate(zip(dests, offsets, sizes)):
                 if s == P.MISSING:
                     continue
                 if s > d.array.nbytes:
                     raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
                 if d.sink is not None:  # consumed where it lies, pinned: no copy before it
-                    d.sink.consume(arena[off: off + s])
+                    sunk.append((d.sink, arena[off: off + s]))
                     continue
                 np.copyto(d.array[:s], arena[off: off + s])
                 if d.staged:
                     d.finish(s)
+            if sunk:  # all at once (a sink may spread them over threads), before the unpin
+                type(sunk[0][0]).consume_all(sunk)
         return [s != P.MISSING for s in sizes]
 
     def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:

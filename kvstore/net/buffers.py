@@ -62,7 +62,8 @@ class Sink:
     the block, which the sink may reuse across gets) and ``consume(staging[:size])`` follows
     at once, while those bytes are still in cache. ``consume`` must not keep the view, and
     should not raise: a sink records its own failures (the engine's connector verifies and
-    scatters a KV block into its paged cache this way, ``engine.kv.connector``).
+    scatters a KV block into its paged cache this way, ``engine.kv.connector``). On shared
+    memory the client hands a get's sinks their blocks in one ``consume_all`` call.
     """
 
     __slots__ = ("staging",)
@@ -72,6 +73,15 @@ class Sink:
 
     def consume(self, block: np.ndarray) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def consume_all(cls, work: list[tuple["Sink", np.ndarray]]) -> None:
+        """Consume several blocks of one get (the shared-memory path calls it once, with every
+        block pinned until it returns; ``work`` is in key order, its sinks all of this class).
+        The default consumes them one after another; a subclass may spread them over threads,
+        but must have consumed every one when it returns."""
+        for sink, block in work:
+            sink.consume(block)
 
 
 class Dest:
