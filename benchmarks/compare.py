@@ -152,7 +152,26 @@ async def long_hit(url: str, space: TokenSpace, seed: int = 7) -> dict[str, Any]
     if ttft.get("cold") and ttft.get("store_hit"):
         out["store_hit_over_cold"] = ttft["store_hit"] / ttft["cold"]
         out["device_hit_over_cold"] = (ttft["device_hit"] or float("nan")) / ttft["cold"]
+    if ttft.get("store_hit") and ttft.get("device_hit"):
+        # Issue 12's figure: what the store adds to a hit, against a memcpy of the bytes it
+        # brings, timed here in the same run (the default model's 720 KiB a block).
+        blocks = LONG_PROMPT // 16
+        memcpy_s = memcpy_seconds(blocks * 30 * 2 * 16 * 3 * 64 * 4)
+        out["store_minus_device_s"] = ttft["store_hit"] - ttft["device_hit"]
+        out["memcpy_s"] = memcpy_s
+        out["store_minus_device_over_memcpy"] = out["store_minus_device_s"] / memcpy_s
     return out
+
+
+def memcpy_seconds(nbytes: int, rounds: int = 7) -> float:
+    """The median time of copying ``nbytes`` between two touched buffers (NumPy, one thread)."""
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def probe_requests(flags: str) -> int:

@@ -10,11 +10,11 @@ For each transport (``shm``, ``tcp``), thread count (1, 2) and N, each round tim
 
 - ``load``: ``KVStoreConnector.load_blocks`` of N blocks into N free slots of a paged cache
   ``[30, 2, num_blocks, 16, 3, 64]`` (verified, then in the cache; the figure the engine
-  sees). With 2 threads, two connectors (one client each) load the two halves at once;
-- ``memcpy``: copying the same N payloads between two already touched buffers (NumPy, one
-  copy per thread);
+  sees), the connector's ``load_threads`` set to the thread count;
+- ``memcpy``: copying the same N payloads between two already touched buffers (NumPy; with 2
+  threads, each copies half at the same time);
 - ``get``: the store client's plain batched get of the same N blocks into an already touched
-  buffer (no verification, no scatter): the transport's own cost.
+  buffer (one client, no verification, no scatter): the transport's own cost.
 
 Every figure is the median over rounds; targets (issue 12): ``load / memcpy`` at most 2 over
 shared memory, ``load / get`` at most 1.3 over TCP. Seeded; one JSON line on stdout, the same
@@ -108,13 +108,12 @@ def measure(address: str, transport: str, threads: int, blocks: list[int], round
     from kvstore import Client
 
     n_max = max(blocks)
-    clients = [Client(address, transport="shm" if transport == "shm" else "tcp", timeout=60)
-               for _ in range(threads)]
+    client = Client(address, transport="shm" if transport == "shm" else "tcp", timeout=60)
     dst = _cache(n_max + 8, None)
-    conns = [KVStoreConnector(c, dst, save_all=False) for c in clients]
+    conn = KVStoreConnector(client, dst, save_all=False, load_threads=threads)
     src_mem = [np.ones(payload_bytes * n_max, np.uint8) for _ in range(threads)]
     dst_mem = [np.zeros(payload_bytes * n_max, np.uint8) for _ in range(threads)]
-    get_buf = [np.zeros((n_max, encoded), np.uint8) for _ in range(threads)]
+    get_buf = np.zeros((n_max, encoded), np.uint8)
     out = []
     try:
         for n in blocks:
@@ -122,8 +121,7 @@ def measure(address: str, transport: str, threads: int, blocks: list[int], round
             ids = list(range(8, 8 + n))[::-1]  # scattered: not the order they were saved in
 
             def load() -> list:
-                return [lambda c=c, sl=sl: results.append(c.load_blocks(keys[sl], ids[sl]))
-                        for c, sl in zip(conns, parts)]
+                return [lambda: results.append(conn.load_blocks(keys[:n], ids))]
 
             def memcpy() -> list:
                 return [lambda t=t, sl=sl: np.copyto(dst_mem[t][:payload_bytes * (sl.stop - sl.start)],
@@ -131,8 +129,7 @@ def measure(address: str, transport: str, threads: int, blocks: list[int], round
                         for t, sl in enumerate(parts)]
 
             def get() -> list:
-                return [lambda t=t, sl=sl: clients[t].get(keys[sl], list(get_buf[t][: sl.stop - sl.start]))
-                        for t, sl in enumerate(parts)]
+                return [lambda: client.get(keys[:n], list(get_buf[:n]))]
 
             results: list = []
             _parallel(load())  # warm: the pooled staging buffer, the mapping, the kernel
@@ -162,10 +159,8 @@ def measure(address: str, transport: str, threads: int, blocks: list[int], round
                 "load_vs_get": round(med["load"] / med["get"], 2),
             })
     finally:
-        for c in conns:
-            c.close()
-        for c in clients:
-            c.close()
+        conn.close()
+        client.close()
     return out
 
 

@@ -132,6 +132,7 @@ class KVStoreConnector:
         save_all: bool = True,
         load_enabled: bool = True,
         max_batch_bytes: int = _MAX_BATCH_BYTES,
+        load_threads: int | None = None,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
@@ -150,6 +151,8 @@ class KVStoreConnector:
         self.payload_bytes = codec.encoded_size(self.dtype_name, self.block_shape) - codec.HEADER_SIZE
         self.encoded_bytes = codec.HEADER_SIZE + self.payload_bytes
         self.max_batch_blocks = max(1, max_batch_bytes // self.encoded_bytes)
+        # Threads a load's verify-and-copy may use (default: torch's, at most 4).
+        self.load_threads = load_threads or min(4, torch.get_num_threads())
         self.save_all = save_all
         self.load_enabled = load_enabled
         self.stats = ConnectorStats()
@@ -302,7 +305,7 @@ class KVStoreConnector:
         slot (``engine.kv.scatter``); ``buf``'s rows are the TCP path's landing space."""
         assert self._scatter is not None
         load = ScatterLoad(self._scatter, self.kv_cache, self._template, keys, block_ids,
-                           buf.numpy())
+                           buf.numpy(), threads=self.load_threads)
         n = len(keys)
         try:
             found = self._get(list(keys), list(load.sinks), source)

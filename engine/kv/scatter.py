@@ -7,9 +7,10 @@ buffer). The sink calls ``kv_verify_scatter`` (``kvstore.native.blocks``), which
 header against this cache's template with the block's own key and the payload's XXH3-64
 against the header's checksum, and only then copies the payload's ``2 * num_layers`` chunks
 into the slot ``kv_cache[:, :, block_id]``: one pass over the bytes, no intermediate buffer on
-shared memory, nothing written for a block that fails. After the first block that is missing
-or fails, later blocks are not consumed (the engine recomputes them: only the leading run
-counts).
+shared memory, nothing written for a block that fails. After the first block that fails,
+later blocks are not consumed (the engine recomputes them: only the leading run counts). On
+shared memory the pinned blocks of one get are spread over ``threads`` threads (the engine's
+torch threads: a load runs on the engine thread, which waits for it).
 
 For a contiguous CPU cache with the kernel built; the connector keeps its staged path
 (``get`` into the buffer, ``codec.decode``, ``index_copy_``) for CUDA caches and machines
@@ -19,7 +20,10 @@ without a compiler.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -31,6 +35,18 @@ from kvstore.net.buffers import Sink
 __all__ = ["ScatterLoad", "scatter_kernel"]
 
 MISSING = -1  # a block's status until a sink consumes it
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` helper threads for loads (made on first use)."""
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="kv-load")
+        return pool
 
 
 def scatter_kernel(kv_cache: torch.Tensor) -> Callable[..., int] | None:
@@ -50,13 +66,20 @@ class _BlockSink(Sink):
     def consume(self, block: np.ndarray) -> None:
         self.load.consume(self.i, block)
 
+    @classmethod
+    def consume_all(cls, work: list[tuple[Sink, np.ndarray]]) -> None:
+        load = cast(_BlockSink, work[0][0]).load
+        load.consume_many([(cast(_BlockSink, s).i, block) for s, block in work])
+
 
 class ScatterLoad:
     """One load of ``keys`` into cache blocks ``block_ids`` (module docstring)."""
 
     def __init__(self, kernel: Callable[..., int], kv_cache: torch.Tensor, template: bytes,
-                 keys: Sequence[bytes], block_ids: Sequence[int], staging: np.ndarray) -> None:
+                 keys: Sequence[bytes], block_ids: Sequence[int], staging: np.ndarray,
+                 threads: int = 1) -> None:
         self._kernel, self._template, self._keys = kernel, template, keys
+        self._threads = max(1, threads)
         item = kv_cache.element_size()
         base = kv_cache.data_ptr()
         self._slots = [base + int(b) * kv_cache.stride(2) * item for b in block_ids]
@@ -70,6 +93,25 @@ class ScatterLoad:
         self.status = [MISSING] * len(keys)   # per block: MISSING, or the kernel's code
         self._stop = len(keys)                # first block known bad: later ones are skipped
         self.sinks = [_BlockSink(self, i, staging[i]) for i in range(len(keys))]
+
+    def consume_many(self, items: list[tuple[int, np.ndarray]]) -> None:
+        """Consume pinned blocks, spread over ``threads`` threads in contiguous runs (the
+        kernel releases the GIL); returns once every one is consumed."""
+        parts = min(self._threads, len(items))
+        if parts <= 1:
+            for i, block in items:
+                self.consume(i, block)
+            return
+        step = -(-len(items) // parts)
+        runs = [items[k:k + step] for k in range(0, len(items), step)]
+        futures = [_pool(parts - 1).submit(self._consume_run, run) for run in runs[1:]]
+        self._consume_run(runs[0])
+        for f in futures:
+            f.result()
+
+    def _consume_run(self, run: list[tuple[int, np.ndarray]]) -> None:
+        for i, block in run:
+            self.consume(i, block)
 
     def consume(self, i: int, block: np.ndarray) -> None:
         if i >= self._stop:

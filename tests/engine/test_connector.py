@@ -46,15 +46,17 @@ class DictStore:
 
     def get(self, keys, buffers) -> list[bool]:
         self._check()
-        out = []
+        out, sunk = [], []
         for k, b in zip(keys, buffers, strict=True):
             v = self.data.get(bytes(k))
             if v is not None:
-                if isinstance(b, Sink):  # consumed where it lies, as a real client does
-                    b.consume(np.frombuffer(v, np.uint8))
+                if isinstance(b, Sink):  # consumed where it lies, as the shm path does
+                    sunk.append((b, np.frombuffer(v, np.uint8)))
                 else:
                     memoryview(b).cast("B")[: len(v)] = v
             out.append(v is not None)
+        if sunk:
+            type(sunk[0][0]).consume_all(sunk)
         return out
 
     def contains(self, keys) -> list[bool]:
@@ -76,6 +78,20 @@ def make_cache(dtype=torch.float32, seed=0) -> torch.Tensor:
     return torch.randn((L, 2, NB, BS, H, D), generator=g).to(dtype)
 
 
+@pytest.fixture(params=["scatter", "staged"])
+def load_path(request, monkeypatch):
+    """Run a load test on both paths: sinks verifying and scattering each block where it lies
+    (the native kernel), and the staged path (get into a buffer, decode, index_copy_)."""
+    import engine.kv.connector as connector_module
+
+    if request.param == "scatter":
+        if connector_module.scatter_kernel(make_cache()) is None:
+            pytest.skip("no C compiler: the native scatter kernel cannot be built")
+    else:
+        monkeypatch.setattr(connector_module, "scatter_kernel", lambda cache: None)
+    return request.param
+
+
 @pytest.fixture
 def keys():
     ns = namespace_id({"test": "connector"})
@@ -83,7 +99,7 @@ def keys():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_save_then_load_round_trips_into_other_blocks(keys, dtype):
+def test_save_then_load_round_trips_into_other_blocks(load_path, keys, dtype):
     store = DictStore()
     src, dst = make_cache(dtype, 0), make_cache(dtype, 1)
     saver, loader = KVStoreConnector(store, src), KVStoreConnector(store, dst)
@@ -120,7 +136,7 @@ def test_saved_blocks_are_a_copy_taken_at_save_time(keys):
     conn.close()
 
 
-def test_corrupt_block_stops_the_load_and_is_counted(keys):
+def test_corrupt_block_stops_the_load_and_is_counted(load_path, keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     saver = KVStoreConnector(store, src)
@@ -141,7 +157,7 @@ def test_corrupt_block_stops_the_load_and_is_counted(keys):
     assert conn.stats.corrupt_blocks == 1
 
 
-def test_misfiled_block_is_corrupt(keys):
+def test_misfiled_block_is_corrupt(load_path, keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     s = KVStoreConnector(store, src)
@@ -152,7 +168,7 @@ def test_misfiled_block_is_corrupt(keys):
     assert res.loaded == 0 and res.corrupt == 1
 
 
-def test_missing_block_and_unreachable_store_are_misses(keys):
+def test_missing_block_and_unreachable_store_are_misses(load_path, keys):
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     s = KVStoreConnector(store, src)
@@ -299,3 +315,30 @@ def test_staging_pool_keeps_at_most_keep_per_size_buffers():
     again = [pool.take(4), pool.take(2)]
     assert pool.allocations == 4  # capacity 4 reused, capacity 2 new
     assert again[0].data_ptr() in {b.data_ptr() for b in bufs[:2]}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threaded_scatter_loads_the_leading_run_and_writes_nothing_of_a_bad_block(keys, threads):
+    from engine.kv.scatter import scatter_kernel
+
+    if scatter_kernel(make_cache()) is None:
+        pytest.skip("no C compiler: the native scatter kernel cannot be built")
+    store = DictStore()
+    src, dst = make_cache(seed=0), make_cache(seed=1)
+    saver = KVStoreConnector(store, src)
+    saver.save_blocks(keys, [0, 1, 2, 3, 4], request_id="s")
+    saver.flush("s").result(timeout=10)
+    conn = KVStoreConnector(store, dst, load_threads=threads)
+    assert conn.load_threads == threads
+    res = conn.load_blocks(keys, [10, 11, 12, 13, 14])
+    assert res.loaded == 5
+    for i in range(5):
+        assert torch.equal(dst[:, :, 10 + i], src[:, :, i])
+    bad = bytearray(store.data[bytes(keys[1])])
+    bad[100] ^= 0x01  # one payload bit
+    store.data[bytes(keys[1])] = bytes(bad)
+    before = dst[:, :, 5].clone()
+    res = conn.load_blocks(keys, [6, 5, 7, 8, 9])
+    assert (res.loaded, res.corrupt) == (1, 1)
+    assert torch.equal(dst[:, :, 6], src[:, :, 0])
+    assert torch.equal(dst[:, :, 5], before)  # the failed block's slot was not written
