@@ -60,8 +60,7 @@ class PrefillPolicy:
         # of (primary, secondary, worker id) is what sorting by worker id and taking the first
         # minimum would give.
         ids = [w.info.worker_id for w in candidates]
-        matches = self._index.match(keys, ids)
-        depths = list(map(matches.__getitem__, ids))
+        depths = self._index.match_list(keys, ids)
         ttfts = ttft_each(candidates, num_tokens, depths, store_blocks)
         if self.name == "kv-aware":
             low = min(ttfts)

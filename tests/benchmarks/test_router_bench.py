@@ -26,6 +26,7 @@ def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path) -> None
     assert res["bench"] == "router" and res["workers"] == 8 and res["block_size"] == 16
     assert res["machine"]["cpus"] >= 1 and res["machine"]["platform"]
     assert res["peer"] is None
+    assert res["index_table"] == "native" or res["index_table"].startswith("python (")
     assert [(c["index_blocks"], c["prompt_tokens"]) for c in res["cells"]] == [
         (200, 256), (200, 512), (600, 256), (600, 512)]
     for c in res["cells"]:
@@ -77,3 +78,36 @@ def test_match_and_choice_agree_with_plain_references() -> None:
                 want = min(ests, key=lambda e: (load[e.worker_id], e.ttft_s))
             chosen, est = policy.choose(cands, keys, n, store)
             assert chosen.worker_id == want.worker_id and est == want
+
+
+def _cell(size: int, lookup: float, decision: float, dyn: float) -> dict:
+    ours = {"lookup_us": {"p50": lookup, "p99": 2 * lookup},
+            "decision_us": {"p50": decision, "p99": 2 * decision}}
+    d = {"p50": dyn, "p99": 2 * dyn}
+    return {"index_blocks": size, "prompt_tokens": 512, "ours": ours,
+            "dynamo": {"find_matches_us": d}, "dynamo_mismatches": 0,
+            "ratio_vs_dynamo": {f"{w}_{p}": round(ours[f"{w}_us"][p] / d[p], 2)
+                                for w in ("lookup", "decision") for p in ("p50", "p99")}}
+
+
+def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path) -> None:
+    from benchmarks.router_report import median_cells, table, targets
+
+    runs = [{"cells": [_cell(1000, lk, dec, 10.0)], "target": {}}
+            for lk, dec in ((5.0, 11.0), (20.0, 13.0), (6.0, 12.0))]   # one disturbed run
+    (cell,) = median_cells(runs)
+    assert cell["ours"]["lookup_us"] == {"p50": 6.0, "p99": 12.0}
+    assert cell["ratio_vs_dynamo"]["lookup_p99"] == 0.6
+    assert cell["ratio_vs_dynamo"]["decision_p99"] == 1.2
+    t = targets([cell], True)
+    assert t["lookup_at_or_below_dynamo"] and t["decision_p99_within_1_25x_of_dynamo"]
+    assert not targets([_cell(1000, 11.0, 13.0, 10.0)], True)["lookup_at_or_below_dynamo"]
+    assert not targets([_cell(1000, 5.0, 13.0, 10.0)], True)["decision_p99_within_1_25x_of_dynamo"]
+    assert "| 1,000 | 512 | 6.00 | 12.00 |" in table([cell])
+    for i, run in enumerate(runs):
+        (tmp_path / f"run{i}.json").write_text(json.dumps(run))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.router_report", "--from",
+                          *(str(tmp_path / f"run{i}.json") for i in range(3))],
+                         capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
+    res = json.loads(out.stdout)
+    assert res["runs"] == 3 and res["cells"] == [cell] and res["target"] == t
