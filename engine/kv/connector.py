@@ -8,12 +8,12 @@ Data path (keys and block ids; usable without an engine):
 - ``lookup(keys)`` is side-effect free: how many leading ``keys`` the store holds. A store
   that cannot be reached holds nothing (0); it never fails a request.
 - ``load_blocks(keys, block_ids)`` fetches the blocks in one batch and verifies every one
-  (header key, dtype, shape, checksum) before it reaches the cache. On a contiguous CPU cache
-  each block is verified where it lies (pinned in the store's arena on shared memory, in a
-  reused receive buffer over TCP) and copied straight into its slot (``engine.kv.scatter``);
-  on CUDA the blocks land in a pooled pinned staging buffer (reused by a later load once its
-  copy is done), are verified there and go to the device in one asynchronous copy and one
-  ``index_copy_``. It returns the length of the leading run of verified blocks; a missing or
+  (header key, dtype, shape, checksum) before it reaches the cache: each block is verified
+  where it lies (pinned in the store's arena on shared memory, in a reused receive buffer
+  over TCP) and copied straight into its slot of a contiguous CPU cache, or into a pooled
+  pinned ring whose verified rows go to a CUDA cache in groups of asynchronous copies
+  (``engine.kv.scatter``; reused by a later load once its copies are done). Without the
+  native kernel the blocks land in a pooled buffer and are decoded and copied in Python. It returns the length of the leading run of verified blocks; a missing or
   corrupt block and everything after it are left for the engine to recompute (their slots
   may hold verified bytes of later blocks, which the recompute overwrites), and are counted.
   Unverified bytes never reach the cache.
@@ -45,16 +45,16 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, astuple, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
-from engine.kv.scatter import ScatterLoad, scatter_kernel
+from engine.kv.scatter import ScatterLoad, direct, scatter_kernel
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
@@ -133,6 +133,7 @@ class KVStoreConnector:
         load_enabled: bool = True,
         max_batch_bytes: int = _MAX_BATCH_BYTES,
         load_threads: int | None = None,
+        load_path: Literal["auto", "direct", "staged", "python"] = "auto",
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
@@ -171,6 +172,9 @@ class KVStoreConnector:
         # A contiguous CPU cache loads through sinks that verify and scatter in one pass
         # (engine.kv.scatter); CUDA caches and machines without the kernel take the staged path.
         self._scatter = scatter_kernel(kv_cache)
+        self._direct = direct(kv_cache) if load_path == "auto" else load_path == "direct"
+        if load_path == "python":
+            self._scatter = None
         self._template = codec.header_template(self.dtype_name, self.block_shape)
         self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool, self.stats,
                             self._stats_lock, dtype_name=self.dtype_name,
@@ -300,28 +304,51 @@ class KVStoreConnector:
     def _fetch_scatter(
         self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],
         source: str | None,
-    ) -> tuple[int, int, int, None]:
+    ) -> tuple[int, int, int, torch.cuda.Event | None]:
         """Get ``keys`` through sinks that verify each block where it lies and copy it into its
         slot (``engine.kv.scatter``); ``buf``'s rows are the TCP path's landing space."""
         assert self._scatter is not None
-        load = ScatterLoad(self._scatter, self.kv_cache, self._template, keys, block_ids,
-                           buf.numpy(), threads=self.load_threads)
         n = len(keys)
+        rows: torch.Tensor | None = None
+        copy_rows: Callable[[int, int], None] | None = None
+        if not self._direct:  # a pinned ring of payload rows, sent on in groups
+            ring = rows = self._pool.take(n)
+            ids = torch.tensor(list(block_ids), dtype=torch.long).to(self.kv_cache.device)
+
+            def send(a: int, b: int) -> None:
+                payload = ring[a:b].to(self.kv_cache.device, non_blocking=True)
+                self.kv_cache.index_copy_(2, ids[a:b], payload.permute(1, 2, 0, 3, 4, 5))
+
+            copy_rows = send
+
+        load = ScatterLoad(self._scatter, self.kv_cache, self._template, keys, block_ids,
+                           buf.numpy(), threads=self.load_threads, rows=rows, copy_rows=copy_rows)
         try:
             found = self._get(list(keys), list(load.sinks), source)
         except KVStoreError as exc:
             log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
             with self._stats_lock:
                 self.stats.store_errors += 1
-            return 0, n, 0, None
+            found, failed = [False] * n, True
+        else:
+            failed = False
         good, bad = load.leading_run(found)
+        ready = None
+        if rows is not None:
+            load.finish(good)
+            if self.kv_cache.is_cuda:  # the ring is reused once its last copy is done
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.kv_cache.device))
+            self._pool.give(rows, ready)
+        if failed:
+            return 0, n, 0, ready
         if bad < 0:
-            return good, 0, 0, None
+            return good, 0, 0, ready
         if not found[bad]:
-            return good, 1, 0, None
+            return good, 1, 0, ready
         log.warning("block %s failed verification (%s), recomputing it", keys[bad].hex(),
                     VERIFY_CODES.get(load.status[bad], load.status[bad]))
-        return good, 0, 1, None
+        return good, 0, 1, ready
 
     def _fetch_verify_copy(
         self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],

@@ -12,9 +12,14 @@ later blocks are not consumed (the engine recomputes them: only the leading run 
 shared memory the pinned blocks of one get are spread over ``threads`` threads (the engine's
 torch threads: a load runs on the engine thread, which waits for it).
 
-For a contiguous CPU cache with the kernel built; the connector keeps its staged path
-(``get`` into the buffer, ``codec.decode``, ``index_copy_``) for CUDA caches and machines
-without a compiler.
+Staged (a CUDA cache, ``rows`` given): the slot is row ``i`` of a pinned, contiguous
+``[n, *block_shape]`` staging ring instead, and every ``group`` blocks of the verified leading
+run go to the device at once (``copy_rows(a, b)``: one asynchronous host-to-device copy and one
+``index_copy_``), so the DMA of one group overlaps the verification of the next; the
+connector sends the rest and records the event that frees the ring.
+
+Without the kernel (no compiler) the connector keeps its Python path (``get`` into a buffer,
+``codec.decode``, ``index_copy_``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from kvstore import codec
 from kvstore.native import blocks as native_blocks
 from kvstore.net.buffers import Sink
 
-__all__ = ["ScatterLoad", "scatter_kernel"]
+__all__ = ["ScatterLoad", "scatter_kernel", "direct"]
 
 MISSING = -1  # a block's status until a sink consumes it
 
@@ -50,10 +55,15 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def scatter_kernel(kv_cache: torch.Tensor) -> Callable[..., int] | None:
-    """The kernel when it can load into ``kv_cache`` (contiguous, on the CPU), else None."""
-    if kv_cache.is_cuda or not kv_cache.is_contiguous():
-        return None
+    """The kernel (None when it cannot be built); ``direct(kv_cache)`` says whether it writes
+    the cache's slots itself or a staging ring."""
+    del kv_cache  # any cache: straight into a CPU cache's slots, else through the ring
     return native_blocks.verify_scatter()
+
+
+def direct(kv_cache: torch.Tensor) -> bool:
+    """Whether a load can write ``kv_cache``'s slots itself (a contiguous CPU cache)."""
+    return not kv_cache.is_cuda and kv_cache.is_contiguous()
 
 
 class _BlockSink(Sink):
@@ -77,21 +87,29 @@ class ScatterLoad:
 
     def __init__(self, kernel: Callable[..., int], kv_cache: torch.Tensor, template: bytes,
                  keys: Sequence[bytes], block_ids: Sequence[int], staging: np.ndarray,
-                 threads: int = 1) -> None:
+                 threads: int = 1, rows: torch.Tensor | None = None,
+                 copy_rows: Callable[[int, int], None] | None = None, group: int = 16) -> None:
         self._kernel, self._template, self._keys = kernel, template, keys
         self._threads = max(1, threads)
         item = kv_cache.element_size()
-        base = kv_cache.data_ptr()
-        self._slots = [base + int(b) * kv_cache.stride(2) * item for b in block_ids]
-        layers = kv_cache.shape[0]
-        offsets = [l * kv_cache.stride(0) * item + kv * kv_cache.stride(1) * item
-                   for l in range(layers) for kv in range(2)]
+        if rows is None:  # direct: the slots of the cache itself
+            base = kv_cache.data_ptr()
+            self._slots = [base + int(b) * kv_cache.stride(2) * item for b in block_ids]
+            offsets = [l * kv_cache.stride(0) * item + kv * kv_cache.stride(1) * item
+                       for l in range(kv_cache.shape[0]) for kv in range(2)]
+            self._chunk = kv_cache.stride(2) * item  # a slot's [block_size, heads, head_dim] run
+        else:  # staged: row i of the contiguous ring, the whole payload in one run
+            row_bytes = rows[0].numel() * item
+            self._slots = [rows.data_ptr() + i * row_bytes for i in range(len(keys))]
+            offsets, self._chunk = [0], row_bytes
         self._offsets = (ctypes.c_int64 * len(offsets))(*offsets)
         self._nchunks = len(offsets)
-        self._chunk = kv_cache.stride(2) * item  # a slot's [block_size, heads, head_dim] run
         self._hash = native_blocks.xxh3_64()
         self.status = [MISSING] * len(keys)   # per block: MISSING, or the kernel's code
         self._stop = len(keys)                # first block known bad: later ones are skipped
+        self._copy_rows, self._group = copy_rows, max(1, group)
+        self._lead = self._sent = 0           # verified leading run; rows sent to the device
+        self._lock = threading.Lock()
         self.sinks = [_BlockSink(self, i, staging[i]) for i in range(len(keys))]
 
     def consume_many(self, items: list[tuple[int, np.ndarray]]) -> None:
@@ -122,6 +140,28 @@ class ScatterLoad:
         self.status[i] = rc
         if rc != 0:  # sinks of several nodes may run at once (ClusterClient): keep the least
             self._stop = min(self._stop, i)
+        elif self._copy_rows is not None and self._threads == 1:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Staged: send each full group of the verified leading run to the device."""
+        with self._lock:
+            while self._lead < len(self.status) and self.status[self._lead] == 0:
+                self._lead += 1
+            if self._lead - self._sent >= self._group:
+                self._send(self._lead)
+
+    def _send(self, upto: int) -> None:
+        assert self._copy_rows is not None
+        if upto > self._sent:
+            self._copy_rows(self._sent, upto)
+            self._sent = upto
+
+    def finish(self, loaded: int) -> None:
+        """Staged: send the rest of the ``loaded`` leading blocks (the connector's last step)."""
+        if self._copy_rows is not None:
+            with self._lock:
+                self._send(loaded)
 
     def leading_run(self, found: Sequence[bool]) -> tuple[int, int]:
         """(loaded, index of the first block not loaded or -1): verified and found blocks

@@ -30,6 +30,7 @@ int kv_verify_scatter(const uint8_t *block, int64_t block_len, const uint8_t *tm
     const uint8_t *payload = block + HEADER;
     if (hash(payload, (size_t)payload_len) != sum) return 2;
     for (int64_t c = 0; c < nchunks; c++)
-        memcpy(dst + offsets[c], payload + c * chunk_bytes, (size_t)chunk_bytes);
+        if (dst + offsets[c] != payload + c * chunk_bytes)  /* verified in place: no copy */
+            memcpy(dst + offsets[c], payload + c * chunk_bytes, (size_t)chunk_bytes);
     return 0;
 }

@@ -78,17 +78,19 @@ def make_cache(dtype=torch.float32, seed=0) -> torch.Tensor:
     return torch.randn((L, 2, NB, BS, H, D), generator=g).to(dtype)
 
 
-@pytest.fixture(params=["scatter", "staged"])
+@pytest.fixture(params=["direct", "staged", "python"])
 def load_path(request, monkeypatch):
-    """Run a load test on both paths: sinks verifying and scattering each block where it lies
-    (the native kernel), and the staged path (get into a buffer, decode, index_copy_)."""
+    """Run a load test on every path: sinks verifying each block where it lies and copying it
+    into its slot (direct) or into a staging ring sent on in groups (staged, CUDA's), and the
+    Python path (get into a buffer, decode, index_copy_)."""
     import engine.kv.connector as connector_module
 
-    if request.param == "scatter":
-        if connector_module.scatter_kernel(make_cache()) is None:
-            pytest.skip("no C compiler: the native scatter kernel cannot be built")
-    else:
+    if request.param == "python":
         monkeypatch.setattr(connector_module, "scatter_kernel", lambda cache: None)
+    elif connector_module.scatter_kernel(make_cache()) is None:
+        pytest.skip("no C compiler: the native scatter kernel cannot be built")
+    elif request.param == "staged":
+        monkeypatch.setattr(connector_module, "direct", lambda cache: False)
     return request.param
 
 

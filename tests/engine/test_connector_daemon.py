@@ -60,3 +60,26 @@ def test_loads_from_a_real_daemon_verify_where_the_blocks_lie(shared_daemon, tra
             del view
         finally:
             arena.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_staged_load_sends_verified_groups_and_stops_at_a_bad_block(shared_daemon, transport):
+    """CUDA's path, run on a CPU cache: verified rows of a pinned ring go on in groups of 16."""
+    if scatter_kernel(_cache(0)) is None:
+        pytest.skip("no C compiler: the native scatter kernel cannot be built")
+    keys = block_keys(namespace_id({"t": "staged", "tr": transport}), list(range(20 * BS)), BS)
+    src = torch.randn((L, 2, 20, BS, H, D), generator=torch.Generator().manual_seed(3))
+    dst = torch.zeros((L, 2, 40, BS, H, D))
+    with Client(shared_daemon.address, transport=transport) as client:
+        saver = KVStoreConnector(client, src)
+        saver.save_blocks(keys, list(range(20)), request_id="s")
+        assert saver.flush("s").result(timeout=30).saved_blocks == 20
+        saver.close()
+        conn = KVStoreConnector(client, dst, save_all=False, load_threads=1, load_path="staged")
+        assert conn.load_blocks(keys, list(range(20, 40))).loaded == 20
+        assert torch.equal(dst[:, :, 20:40], src)
+        client.delete(keys[18:19])
+        dst.zero_()
+        res = conn.load_blocks(keys, list(range(20, 40)))
+        assert (res.loaded, res.missing) == (18, 1)
+        assert torch.equal(dst[:, :, 20:38], src[:, :, :18]) and not dst[:, :, 38:].any()
