@@ -1,9 +1,14 @@
 """``Client``: one store node, over shared memory on the same host, TCP elsewhere.
 
 The path is chosen at connect time: when the daemon's HELLO reports this machine's host id
-and its arena can be mapped (``Arena.attach``), gets are PIN + copy from the mapped arena +
-UNPIN and puts are RESERVE + write in place + COMMIT, so only keys and offsets cross the
-socket. Otherwise values travel in PUT/GET frames (``kvstore.net.protocol``), received straight
+and its arena can be mapped (``Arena.attach``), puts are RESERVE + write in place + COMMIT and
+gets read the mapped arena, so only keys and offsets cross the socket. A get of plain buffers
+first asks the daemon's shared-memory index (``kvstore.node.shared_index``; mapped beside the
+arena when HELLO names one, ``shared_index=False`` to leave it): a committed host block is
+copied out under its slot's seqlock with no message at all, and the read is reported later in
+a batched one-way TOUCH (recency, hit counters; ``kvstore.net.connection``). Keys it does not
+settle (absent, SSD- or GPU-resident, a slot that kept changing) and every get with a
+``Sink`` among its buffers take the PIN path: PIN + copy from the mapped arena + UNPIN. Otherwise values travel in PUT/GET frames (``kvstore.net.protocol``), received straight
 into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many blocks).
 ``transport="tcp"`` forces the socket path. The socket, handshake and framing live in
 ``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
@@ -51,6 +56,7 @@ from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
 from kvstore.net.buffers import Dest, Sink, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
+from kvstore.node.shared_index import HIT, SMALL
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
 __all__ = ["Client", "parse_address"]
@@ -97,7 +103,8 @@ class Client:
 
     def __init__(self, address: str, *, auth_token: str | None = None, timeout: float = 5.0,
                  transport: Transport = "auto",
-                 tls: tls_settings.TLSConfig | Literal[False] | None = None) -> None:
+                 tls: tls_settings.TLSConfig | Literal[False] | None = None,
+                 shared_index: bool = True) -> None:
         if transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
         parse_address(address)  # a malformed address fails here, not on first use
@@ -108,6 +115,7 @@ class Client:
         self.tls: tls_settings.TLSConfig | None = tls_settings.current() if tls is None else (tls or None)
         self._timeout = timeout
         self._want = transport
+        self._use_index = shared_index
         self._lock = threading.RLock()
         self._conn: Connection | None = None
         self._closed = False
@@ -122,6 +130,12 @@ class Client:
         """``"shm"`` or ``"tcp"``: the path of the current connection."""
         with self._lock:
             return "shm" if self._connection().arena is not None else "tcp"
+
+    @property
+    def index_reads(self) -> bool:
+        """Whether gets of plain buffers read the daemon's shared-memory index first."""
+        with self._lock:
+            return self._connection().index is not None
 
     @property
     def node_id(self) -> str:
@@ -144,6 +158,11 @@ class Client:
         daemon's HELLO said it runs on this host (a failed mapping falls back to TCP, so a
         test that no mapping crosses hosts reads this, not ``transport``)."""
         return self._traffic.map_attempts
+
+    @property
+    def index_hits(self) -> int:
+        """Blocks the daemon's shared-memory index served with no request (across reconnects)."""
+        return self._traffic.index_hits
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
         """Store ``values[i]`` under ``keys[i]``. Present keys are a successful no-op.
@@ -180,7 +199,7 @@ class Client:
         for sl in _chunks(len(keys)):
             with self._request() as conn:
                 if conn.arena is not None:
-                    out += self._read_pinned(conn, keys[sl])
+                    out += self._read_shm(conn, keys[sl])
                     continue
                 _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True)
                 bufs = [None if s == P.MISSING else bytearray(s)
@@ -218,7 +237,13 @@ class Client:
         return P.unpack_json(meta)
 
     def close(self) -> None:
+        """Report the index's pending reads (waiting for the daemon to take them) and close."""
         with self._lock:
+            if self._conn is not None and not self._closed:
+                try:
+                    self._conn.report_touches()
+                except (OSError, EOFError, KVStoreError):
+                    pass
             self._closed = True
             self._drop()
 
@@ -292,6 +317,34 @@ class Client:
         return [s != P.MISSING for s in sizes]
 
     def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
+        index = conn.index_ready()
+        if index is None or any(d.sink is not None for d in dests):
+            return self._get_pinned(conn, keys, dests)
+        n = len(keys)
+        found = [False] * n
+        rest: list[int] = []
+        for i in range(n - 1, -1, -1):  # tail first: the head is reported the most recent
+            d = dests[i]
+            rc, size = index.get_into(keys[i], d.array)
+            if rc == HIT:
+                found[i] = True
+                conn.note_read(keys[i], size)
+                if d.staged:
+                    d.finish(size)
+            elif rc == SMALL:
+                raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {size}")
+            else:
+                rest.append(i)
+        if rest:  # the PIN path; the reads above are reported (TOUCH) before it, in one send
+            rest.reverse()
+            got = self._get_pinned(conn, [keys[i] for i in rest], [dests[i] for i in rest])
+            for i, ok in zip(rest, got):
+                found[i] = ok
+        elif conn.touch_due():
+            conn.flush_touches()
+        return found
+
+    def _get_pinned(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
         arena = conn.arena_np
         assert arena is not None, "the shared-memory path runs on a mapped connection only"
         with _pinned(conn, keys) as (offsets, sizes):
@@ -310,6 +363,33 @@ class Client:
             if sunk:  # all at once (a sink may spread them over threads), before the unpin
                 type(sunk[0][0]).consume_all(sunk)
         return [s != P.MISSING for s in sizes]
+
+    def _read_shm(self, conn: Connection, keys) -> list[bytes | None]:
+        """``get_bytes`` on shared memory: the index first (a size probe, then the copy), the
+        PIN path for the rest."""
+        index = conn.index_ready()
+        if index is None:
+            return self._read_pinned(conn, keys)
+        out: list[bytes | None] = [None] * len(keys)
+        rest: list[int] = []
+        probe = np.empty(0, np.uint8)
+        for i in range(len(keys) - 1, -1, -1):
+            rc, size = index.get_into(keys[i], probe)
+            if rc == SMALL:
+                buf = bytearray(size)
+                rc, size = index.get_into(keys[i], np.frombuffer(buf, np.uint8))
+                if rc == HIT:
+                    out[i] = bytes(buf)
+                    conn.note_read(keys[i], size)
+                    continue
+            rest.append(i)
+        if rest:
+            rest.reverse()
+            for i, b in zip(rest, self._read_pinned(conn, [keys[i] for i in rest])):
+                out[i] = b
+        elif conn.touch_due():
+            conn.flush_touches()
+        return out
 
     def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:
         arena = conn.arena
@@ -347,7 +427,8 @@ class Client:
         if self._conn is None:
             self._conn = Connection.open(self.address, token=self._token, timeout=self._timeout,
                                          want=self._want, traffic=self._traffic,
-                                         tls=self.tls.client_context() if self.tls else None)
+                                         tls=self.tls.client_context() if self.tls else None,
+                                         use_index=self._use_index)
         return self._conn
 
     def _drop(self) -> None:

@@ -87,7 +87,8 @@ class Daemon:
         store = self.store = BlockStore(StoreConfig(memory_bytes=c.memory_bytes, ssd_path=c.ssd_path,
                                                     ssd_capacity_bytes=c.ssd_capacity_bytes,
                                                     gpu_memory_bytes=c.gpu_memory_bytes,
-                                                    on_corrupt_ssd=c.on_corrupt_ssd))
+                                                    on_corrupt_ssd=c.on_corrupt_ssd,
+                                                    shared_index=c.shared_index))
         try:
             server = self.server = StoreServer(store, host=c.host, port=c.port, node_id=node_id,
                                                auth_token=c.auth_token, limits=c.limits, tls=c.tls)
@@ -237,7 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
         ssd_path=args.ssd_path, ssd_capacity_bytes=parse_size(args.ssd_capacity or 0),
         gpu_memory_bytes=parse_size(args.gpu_memory or 0), etcd=args.etcd, cluster=args.cluster,
         auth_token=_token(args), insecure=args.insecure, limits=limits,
-        on_corrupt_ssd=args.on_corrupt_ssd,
+        on_corrupt_ssd=args.on_corrupt_ssd, shared_index=not args.no_shared_index,
         metrics_port=args.metrics_port, advertise=args.advertise,
         advertise_address=args.advertise_address,
         registration_ttl=args.registration_ttl, tls=tls.current(),
@@ -370,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--on-corrupt-ssd", choices=("move-aside", "fail"), default="move-aside",
                    help="a damaged --ssd-path at start: move it aside and start empty, keeping the "
                         "node id (default), or fail to start")
+    s.add_argument("--no-shared-index", action="store_true",
+                   help="publish no shared-memory index of the host tier: same-host gets then "
+                        "always ask the daemon (PIN), as over TCP they always do")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     s.add_argument("--advertise-address", metavar="ADDR",
                    help="the address other hosts reach this node at: registered in etcd (with the "

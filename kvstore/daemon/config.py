@@ -57,7 +57,9 @@ class ServerConfig:
     one daemon allows its clients (``ServerLimits``: connections, timeouts, the
     per-connection reservation cap, serving threads). ``on_corrupt_ssd``: what a damaged
     SSD tier at start does ("move-aside": moved to a named directory beside it, started
-    empty; "fail": the daemon does not start). ``drain_timeout`` is how long SIGTERM waits for
+    empty; "fail": the daemon does not start). ``shared_index``: publish the host tier's index
+    in shared memory for same-host gets with no round trip (``kvstore.node.shared_index``;
+    ``--no-shared-index`` turns it off). ``drain_timeout`` is how long SIGTERM waits for
     in-flight operations. ``tls``: serve TLS with mutual certificates (``kvstore.tls``).
     ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
     whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
@@ -84,6 +86,7 @@ class ServerConfig:
     insecure: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
     on_corrupt_ssd: CorruptSsdPolicy = "move-aside"
+    shared_index: bool = True
     drain_timeout: float = 10.0
     tls: TLSConfig | None = None
     node_id: str | None = None

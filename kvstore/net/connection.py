@@ -1,8 +1,19 @@
 """``Connection``: one framed connection from a client to a store daemon.
 
 It owns the socket, the HELLO handshake, the optional mapping of the daemon's arena (the
-same-host shared-memory path) and request/response framing (``kvstore.net.protocol``). It is
-not thread-safe; ``Client`` serializes requests on it and replaces it after any failure.
+same-host shared-memory path) and of its index (``kvstore.node.shared_index``: gets with no
+round trip), the reads to report (TOUCH) and request/response framing
+(``kvstore.net.protocol``). It is not thread-safe; ``Client`` serializes requests on it and
+replaces it after any failure.
+
+The index belongs to the daemon instance whose HELLO named it, so it is used only while this
+connection is open: ``index_ready()`` polls the socket (no wait) before each use, and a
+hung-up or readable socket (the daemon died, restarted, timed the connection out, or sent an
+error frame) sends the get down the socket path, which reads what is there and fails or
+reconnects, mapping the new instance's index. Reads the index served are kept
+(``note_read``) and reported as one-way TOUCH frames: before the connection's next request
+(so the daemon applies them first), once ``TOUCH_KEYS`` keys or ``TOUCH_DELAY_S`` seconds
+are pending (``touch_due``), and, waiting for the answer, at close.
 
 Its socket is set up by ``protocol.tune_socket`` (why each setting: see there); the
 ``timeout`` bounds the connect and every later socket wait, and a timed-out call raises an
@@ -18,8 +29,10 @@ daemon does not trust, or one of the daemon that this side does not, is an ``Aut
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +40,14 @@ import numpy as np
 
 from kvstore.net import protocol as P
 from kvstore.node.arena import Arena
+from kvstore.node.shared_index import IndexReader
 from kvstore.errors import AuthError, ProtocolError, StoreUnavailable
 
-__all__ = ["Connection", "Traffic", "parse_address"]
+__all__ = ["Connection", "Traffic", "parse_address", "TOUCH_KEYS", "TOUCH_DELAY_S"]
+
+TOUCH_KEYS = 64        # distinct keys read through the index before a TOUCH goes out ...
+TOUCH_DELAY_S = 0.005  # ... or this long after the first of them, at the next get
+_HUNG = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -42,12 +60,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 @dataclass
 class Traffic:
-    """Bytes written to and read from the sockets of one client, across reconnects, and how
-    often it tried to map a daemon's arena (only where the daemon said it is on this host)."""
+    """Bytes written to and read from the sockets of one client, across reconnects, how
+    often it tried to map a daemon's arena (only where the daemon said it is on this host),
+    and how many blocks the daemon's shared-memory index served with no request."""
 
     sent: int = 0
     received: int = 0
     map_attempts: int = 0
+    index_hits: int = 0
 
 
 _CERT_WORDS = ("CERTIFICATE", "UNKNOWN_CA", "BAD_CERT", "CERT_", "VERIFY")
@@ -69,23 +89,29 @@ def _tls_failure(address: str, e: BaseException) -> StoreUnavailable | AuthError
 class Connection:
     """A live, authenticated connection (``open``); ``arena`` is set on the shm path."""
 
-    __slots__ = ("sock", "hello", "arena", "arena_np", "rid", "_hdr", "_traffic", "_scratch")
+    __slots__ = ("sock", "hello", "arena", "arena_np", "index", "rid", "_hdr", "_traffic",
+                 "_scratch", "_poll", "_reads", "_reads_since")
 
     def __init__(self, sock: socket.socket, traffic: Traffic) -> None:
         self.sock = sock
         self.hello: dict[str, Any] = {}
         self.arena: Arena | None = None
         self.arena_np: np.ndarray | None = None
+        self.index: IndexReader | None = None
         self.rid = 0
         self._hdr = memoryview(bytearray(P.HEADER_SIZE))
         self._traffic = traffic
         self._scratch: memoryview | None = None
+        self._poll: Any = None
+        self._reads: dict[bytes, list[int]] = {}  # key -> [reads, size], oldest first
+        self._reads_since = 0.0
 
     @classmethod
     def open(cls, address: str, *, token: str | None, timeout: float, want: str,
-             traffic: Traffic, tls: ssl.SSLContext | None = None) -> "Connection":
+             traffic: Traffic, tls: ssl.SSLContext | None = None,
+             use_index: bool = True) -> "Connection":
         """Connect, handshake (TLS first, given ``tls``) and (unless ``want`` is ``"tcp"``)
-        map the daemon's arena."""
+        map the daemon's arena and, with ``use_index``, its index."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
@@ -118,14 +144,14 @@ class Connection:
             sock.close()
             raise
         if want != "tcp":
-            conn._attach()
+            conn._attach(use_index)
             if conn.arena is None and want == "shm":
                 conn.close()
                 raise StoreUnavailable(f"transport='shm' but the arena of {address} cannot be "
                                        "mapped here (another host?); use transport='auto' or 'tcp'")
         return conn
 
-    def _attach(self) -> None:
+    def _attach(self, use_index: bool) -> None:
         arena = self.hello.get("arena")
         if not arena or self.hello.get("host_id") != P.local_host_id():
             return
@@ -139,26 +165,94 @@ class Connection:
             return
         self.arena = mapped
         self.arena_np = np.frombuffer(mapped.buf, np.uint8)
+        info = self.hello.get("index")
+        if use_index and info:
+            self.index = IndexReader.attach(info, self.arena_np)
+            if self.index is not None:
+                self._poll = select.poll()
+                self._poll.register(self.sock.fileno(), _HUNG)
 
     def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         self.arena_np = None
         if self.arena is not None:
             self.arena.close()
         self.sock.close()
+
+    # --- the index's reads ------------------------------------------------------------------
+
+    def index_ready(self) -> IndexReader | None:
+        """The index, if this connection has one and its socket is quiet (the daemon that
+        published it is still the one on the other end, with nothing to say)."""
+        if self.index is None or self._poll.poll(0):
+            return None
+        if P.is_tls(self.sock) and self.sock.pending():  # type: ignore[attr-defined]
+            return None
+        return self.index
+
+    def note_read(self, key: bytes, size: int) -> None:
+        """One read the index served, to report (the latest is the most recent)."""
+        self._traffic.index_hits += 1
+        reads = self._reads
+        r = reads.pop(key, None)
+        if r is None:
+            if not reads:
+                self._reads_since = time.monotonic()
+            reads[key] = [1, size]
+        else:
+            r[0] += 1
+            r[1] = size
+            reads[key] = r
+
+    def touch_due(self) -> bool:
+        reads = self._reads
+        return bool(reads) and (len(reads) >= TOUCH_KEYS
+                                or time.monotonic() - self._reads_since >= TOUCH_DELAY_S)
+
+    def _touch_frames(self, flags: int = P.FLAG_NO_REPLY) -> bytes:
+        """The pending reads as TOUCH frames (at most ``MAX_BATCH`` keys each); clears them."""
+        if not self._reads:
+            return b""
+        items = list(self._reads.items())
+        self._reads = {}
+        out = []
+        for at in range(0, len(items), P.MAX_BATCH):
+            part = items[at: at + P.MAX_BATCH]
+            meta = P.pack_touch([k for k, _ in part], [r[0] for _, r in part], [r[1] for _, r in part])
+            self.rid += 1
+            out.append(P.pack_header(P.Op.TOUCH, flags, self.rid, len(meta)) + meta)
+        frames = b"".join(out)
+        self._traffic.sent += len(frames)
+        return frames
+
+    def flush_touches(self) -> None:
+        """Send the pending reads now, one-way."""
+        frames = self._touch_frames()
+        if frames:
+            self.sock.sendall(frames)
+
+    def report_touches(self) -> None:
+        """Send the pending reads and wait until the daemon has taken them (at close)."""
+        if self._reads:  # the pending frames go first (exchange), then an empty TOUCH answered
+            self.exchange(P.Op.TOUCH, P.pack_touch([], [], []))
 
     # --- framing ---------------------------------------------------------------------------
 
     def exchange(self, op: P.Op, meta: bytes, data: list | None = None,
                  keep_data: bool = False) -> tuple[P.Header, memoryview]:
         """Send one request and read its response header and meta. With ``keep_data`` the
-        response's data is left on the socket for the caller to read (``recv``)."""
+        response's data is left on the socket for the caller to read (``recv``). Pending
+        reads of the index go first, as one-way TOUCH frames in the same send."""
+        touches = self._touch_frames() if self._reads else b""
         self.rid += 1
         data_len = sum(d.nbytes for d in data) if data else 0
         head = P.pack_header(op, 0, self.rid, len(meta), data_len)
         if data:
-            P.send_buffers(self.sock, [head, meta, *data])
+            P.send_buffers(self.sock, [touches, head, meta, *data])
         else:
-            self.sock.sendall(head + meta)
+            self.sock.sendall(touches + head + meta)
         self._traffic.sent += P.HEADER_SIZE + len(meta) + data_len
         self.recv([self._hdr])
         h = P.unpack_header(self._hdr)
@@ -178,10 +272,11 @@ class Connection:
         return h, rmeta
 
     def send_oneway(self, op: P.Op, meta: bytes) -> None:
-        """A NO_REPLY request (only UNPIN): the daemon answers only if it fails, and then
-        the next response is out of step and the connection is dropped."""
+        """A NO_REPLY request (UNPIN): the daemon answers only if it fails, and then the next
+        response is out of step and the connection is dropped."""
+        touches = self._touch_frames() if self._reads else b""
         self.rid += 1
-        self.sock.sendall(P.pack_header(op, P.FLAG_NO_REPLY, self.rid, len(meta)) + meta)
+        self.sock.sendall(touches + P.pack_header(op, P.FLAG_NO_REPLY, self.rid, len(meta)) + meta)
         self._traffic.sent += P.HEADER_SIZE + len(meta)
 
     def recv(self, views: list) -> None:

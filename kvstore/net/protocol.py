@@ -18,9 +18,9 @@ order, so the daemon can ``recv_into`` each value straight into its reserved are
 send each value straight from its pinned slot (no intermediate copy on either side).
 
 Requests are answered strictly in order, one response per request, with the same op and
-request id and the RESPONSE flag, except an UNPIN sent with NO_REPLY: it gets no response
-(a shared-memory get is then one round trip, PIN, plus a one-way UNPIN that the daemon
-applies before the connection's next request). A NO_REPLY UNPIN that fails is answered
+request id and the RESPONSE flag, except an UNPIN or TOUCH sent with NO_REPLY: it gets no
+response (a PIN-path get is then one round trip, PIN, plus a one-way UNPIN that the daemon
+applies before the connection's next request). A NO_REPLY request that fails is answered
 with an error frame and the connection is closed. Below, ``keys`` is ``u32 n`` then ``n`` 16-byte keys and
 ``sizes`` is ``n`` u64; ``MISSING`` (2**64-1) marks an absent entry in a u64 array.
 
@@ -29,7 +29,8 @@ op          request meta / data                         response meta / data
 ==========  ==========================================  =====================================
 HELLO 1     JSON {"token", "host_id" (hex), "pid"}      JSON {"node_id", "host_id", "arena":
                                                         {"name", "size"}, "max_batch",
-                                                        "max_data"}
+                                                        "max_data"[, "index": {"name",
+                                                        "size", "instance", "slots"}]}
 PUT 2       keys, sizes / the values                    n u8 (1 stored, 0 already present)
 GET 3       keys                                        sizes (MISSING if absent) / the
                                                         present values in key order
@@ -44,12 +45,20 @@ ABORT 10    keys (reserved by this connection)          (empty)
 PIN 11      keys                                        n u64 offsets, then sizes (MISSING
                                                         if absent)
 UNPIN 12    keys (pinned by this connection)            (empty)
+TOUCH 13    keys, n u32 read counts, n u64 sizes        (empty)
 ==========  ==========================================  =====================================
 
 RESERVE/COMMIT/ABORT/PIN/UNPIN are the same-host shared-memory path: the client maps the
 daemon's arena (named in the HELLO response; used only when the HELLO host ids match and the
 mapping succeeds), writes or reads block bytes in place, and only keys and offsets cross the
 socket. Whatever a connection has reserved or pinned is released when it closes or dies.
+
+The shared-memory index (``kvstore.node.shared_index``, its docstring the layout's spec),
+named by HELLO's ``"index"`` when the daemon publishes one, lets a same-host client read a
+committed host block out of the mapped arena with no request at all, under a per-slot seqlock;
+anything it does not settle is asked with PIN. Such reads are reported afterwards with TOUCH
+(usually NO_REPLY, batched): keys in the order they were read, the oldest first (a batch's
+tail before its head), each with how often and how many bytes: recency and the hit counters.
 
 The first frame of a connection must be HELLO; with a daemon auth token (the cluster secret,
 ``kvstore.secret``) the client's token must match, otherwise the daemon answers an AUTH error
@@ -98,7 +107,8 @@ __all__ = [
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
-    "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit", "is_tls",
+    "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit", "is_tls", "pack_touch",
+    "unpack_touch", "NO_REPLY_OPS",
 ]
 
 MAGIC = b"KVSP"
@@ -134,6 +144,7 @@ class Op(IntEnum):
     ABORT = 10
     PIN = 11
     UNPIN = 12
+    TOUCH = 13
 
 
 class ErrorCode(IntEnum):
@@ -157,8 +168,10 @@ _EXC_BY_CODE: dict[int, type[KVStoreError]] = {
 
 _KEYS_META = 4 + MAX_BATCH * KEY_BYTES
 _KEYS_SIZES_META = 4 + MAX_BATCH * (KEY_BYTES + 8)
+_TOUCH_META = 4 + MAX_BATCH * (KEY_BYTES + 4 + 8)
 _META_LIMIT: dict[int, int] = {Op.HELLO: MAX_HELLO_META, Op.PUT: _KEYS_SIZES_META, Op.RESERVE: _KEYS_SIZES_META,
-               Op.STATS: 0}
+               Op.STATS: 0, Op.TOUCH: _TOUCH_META}
+NO_REPLY_OPS = frozenset({Op.UNPIN, Op.TOUCH})  # the ops that may be sent with FLAG_NO_REPLY
 
 
 def meta_limit(op: int) -> int:
@@ -235,6 +248,22 @@ def unpack_keys_sizes(meta) -> tuple[list[BlockKey], list[int]]:
     if any(s == 0 for s in sizes):
         raise ProtocolError("a block of 0 bytes: every block value must be non-empty")
     return keys, sizes
+
+
+def pack_touch(keys: Sequence[bytes], counts: Sequence[int], sizes: Sequence[int]) -> bytes:
+    """A TOUCH meta: keys, then their u32 read counts, then their u64 sizes."""
+    return (pack_keys(keys) + np.asarray(counts, dtype="<u4").tobytes()
+            + np.asarray(sizes, dtype="<u8").tobytes())
+
+
+def unpack_touch(meta) -> tuple[list[BlockKey], list[int], list[int]]:
+    mv = memoryview(meta)
+    n = _key_count(mv, KEY_BYTES + 12)
+    keys = [BlockKey(mv[4 + i * KEY_BYTES: 4 + (i + 1) * KEY_BYTES]) for i in range(n)]
+    at = 4 + n * KEY_BYTES
+    counts = np.frombuffer(mv, "<u4", n, at).tolist()
+    sizes = np.frombuffer(mv, "<u8", n, at + 4 * n).tolist()
+    return keys, counts, sizes
 
 
 def pack_json(obj: Any) -> bytes:

@@ -227,8 +227,8 @@ class Session:
         """Everything a header alone can be refused for, before its meta is read."""
         if h.flags & P.FLAG_RESPONSE:
             self.fail(h.op, h.request_id, ProtocolError("a client sent a response frame"))
-        if h.flags & P.FLAG_NO_REPLY and h.op != P.Op.UNPIN:
-            self.fail(h.op, h.request_id, ProtocolError("only UNPIN may be sent with NO_REPLY"))
+        if h.flags & P.FLAG_NO_REPLY and h.op not in P.NO_REPLY_OPS:
+            self.fail(h.op, h.request_id, ProtocolError("only UNPIN and TOUCH may be sent with NO_REPLY"))
         if h.op not in _HANDLERS:
             self.fail(h.op, h.request_id, ProtocolError(
                 f"unknown op {h.op}; this daemon speaks ops {[int(o) for o in P.Op]}"))
@@ -359,10 +359,12 @@ class Session:
             raise ProtocolError("a second HELLO on one connection")
         self.authed = True
         arena = self.store.arena
+        index = self.store.index  # the shared-memory index, if published (shared_index.py)
         self._reply(h, P.pack_json({
             "node_id": self.server.node_id, "host_id": self.server.host_id,
             "arena": {"name": arena.name, "size": arena.size},
             "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, self.server.max_reserve),
+            **({"index": index.info()} if index is not None else {}),
         }))
 
     def _put(self, h: P.Header, meta: memoryview) -> None:
@@ -482,11 +484,17 @@ class Session:
         if not h.flags & P.FLAG_NO_REPLY:
             self._reply(h)
 
+    def _touch(self, h: P.Header, meta: memoryview) -> None:
+        keys, counts, sizes = P.unpack_touch(meta)
+        self._count("out", "shm", self.store.touch(keys, counts, sizes))
+        if not h.flags & P.FLAG_NO_REPLY:
+            self._reply(h)
+
 
 _HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
     P.Op.HELLO: Session._hello, P.Op.PUT: Session._put, P.Op.GET: Session._get,
     P.Op.CONTAINS: Session._contains, P.Op.PREFIX_LEN: Session._prefix_len,
     P.Op.DELETE: Session._delete, P.Op.STATS: Session._stats, P.Op.RESERVE: Session._reserve,
     P.Op.COMMIT: Session._commit, P.Op.ABORT: Session._abort, P.Op.PIN: Session._pin,
-    P.Op.UNPIN: Session._unpin,
+    P.Op.UNPIN: Session._unpin, P.Op.TOUCH: Session._touch,
 }

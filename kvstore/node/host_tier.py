@@ -13,6 +13,11 @@ Policy lives in ``store.py``; this module keeps the bookkeeping exact and O(1) p
   ``release_owner`` can drop everything a dead connection held. ``owner=None`` is not tracked.
 - A delete of a pinned entry marks it ``doomed``: lookups no longer see it, and its space is
   freed at the last unpin.
+- With a ``SharedIndex`` (``shared``, ``kvstore.node.shared_index``) every visible entry is
+  published there once committed and retracted the moment it stops being visible (delete)
+  or before its space is freed (eviction, demotion), so a client reading it without asking
+  the daemon never sees space that was handed out again. ``touch`` is a read reported
+  afterwards: the entry becomes the most recently used, as at an unpin.
 
 Not thread-safe: every call is made under the store's lock.
 """
@@ -25,6 +30,7 @@ from collections.abc import Hashable, Iterator
 
 from kvstore.node.allocator import Allocator
 from kvstore.keys import BlockKey
+from kvstore.node.shared_index import SharedIndex
 
 __all__ = ["EntryState", "HostEntry", "HostIndex"]
 
@@ -65,8 +71,9 @@ class HostEntry:
 class HostIndex:
     """Entries of the host arena, their allocator, LRU and per-owner pins/reservations."""
 
-    def __init__(self, capacity: int, granule: int = 64) -> None:
+    def __init__(self, capacity: int, granule: int = 64, shared: SharedIndex | None = None) -> None:
         self.allocator = Allocator(capacity, granule)
+        self.shared = shared  # set by the store once the index exists (before any entry)
         self._entries: dict[BlockKey, HostEntry] = {}
         self._lru: OrderedDict[BlockKey, HostEntry] = OrderedDict()
         self._owner_pins: dict[Hashable, Counter[BlockKey]] = {}
@@ -138,6 +145,8 @@ class HostIndex:
             self.pin(entry, pin_owner)
         else:
             self._lru[entry.key] = entry
+        if self.shared is not None:
+            self.shared.publish(entry.key, entry.offset, entry.size)
 
     def abort(self, entry: HostEntry) -> None:
         assert entry.state is EntryState.RESERVED
@@ -171,6 +180,11 @@ class HostIndex:
             else:
                 self._lru[entry.key] = entry
 
+    def touch(self, entry: HostEntry) -> None:
+        """A read the index served (no pin): an unpinned entry becomes the most recently used."""
+        if entry.key in self._lru:
+            self._lru.move_to_end(entry.key)
+
     def release_and_free(self, entry: HostEntry) -> bool:
         """Drop an owner-less pin (the store's own, e.g. during demotion). If it was the last
         pin, free the entry instead of returning it to the LRU; True if freed."""
@@ -197,6 +211,8 @@ class HostIndex:
         entry = self._entries.get(key)
         if entry is None or not entry.visible:
             return False
+        if self.shared is not None:
+            self.shared.retract(key)  # hidden at once, from readers of the index too
         if entry.pins:
             entry.doomed = True
         else:
@@ -228,6 +244,8 @@ class HostIndex:
 
     def _free(self, entry: HostEntry) -> None:
         if entry.state is EntryState.COMMITTED:
+            if self.shared is not None:
+                self.shared.retract(entry.key)  # before the space can be handed out again
             self.value_bytes -= entry.size
             self._committed -= 1
         del self._entries[entry.key]

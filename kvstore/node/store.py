@@ -26,6 +26,12 @@ Contract (``docs/architecture.md``, "BlockStore"), and the decisions behind it:
   concurrent pin of the same key meanwhile is a miss.
 - A delete of a pinned block hides it at once and frees it at its last unpin; a put of that
   key before then is a no-op (the key reads as missing): a cache may drop a block.
+- The shared-memory index (``shared_index``, ``kvstore.node.shared_index``): committed host
+  blocks are published for same-host clients to read with no round trip, and retracted
+  before their space is reused or freed (``host_tier.py`` does both under the lock). Such
+  reads come back as ``touch(keys, counts, sizes)``: recency (in the order given, the last
+  the most recent) and the hit counters. ``index`` is None when the config turns it off or
+  no correct writer exists here.
 
 Thread-safe: one lock guards the index; payload bytes are copied outside it.
 """
@@ -40,6 +46,7 @@ from kvstore.node.arena import Arena
 from kvstore.errors import KVStoreError, StoreFull, StoreUnavailable
 from kvstore.node.host_tier import EntryState, HostEntry, HostIndex
 from kvstore.keys import BlockKey
+from kvstore.node.shared_index import SharedIndex
 from kvstore.node.ssd_tier import CorruptSsdPolicy, SsdTier, checksum
 from kvstore.node.stats import StoreStats, TierStats
 from kvstore.node.tiering import Tiering
@@ -62,6 +69,7 @@ class StoreConfig:
     low_watermark: float = 0.85
     shm_name: str | None = None
     on_corrupt_ssd: CorruptSsdPolicy = "move-aside"  # a damaged SSD tier (ssd_tier.py)
+    shared_index: bool = True  # publish the host tier's index in shared memory (shared_index.py)
 
     def __post_init__(self) -> None:
         if self.memory_bytes < GRANULE:
@@ -106,16 +114,23 @@ class BlockStore:
         self._ssd = (SsdTier(config.ssd_path, config.ssd_capacity_bytes, config.on_corrupt_ssd)
                      if config.ssd_path else None)
         self._gpu = None
+        self.index: SharedIndex | None = None
+        arena: Arena | None = None
         try:
             if config.gpu_memory_bytes > 0:
                 from kvstore.node.gpu_tier import GpuTier
 
                 self._gpu = GpuTier(config.gpu_memory_bytes)
-            self.arena = Arena.create(self._host.capacity, config.shm_name)
+            arena = Arena.create(self._host.capacity, config.shm_name)
+            if config.shared_index:
+                self.index = self._host.shared = SharedIndex.create(arena.size)
         except BaseException:
             if self._ssd is not None:
                 self._ssd.close()
+            if arena is not None:
+                arena.close()
             raise
+        self.arena = arena
         self._lock = threading.Lock()
         self._closed = False
         self._s_host = TierStats(capacity_bytes=self._host.capacity)
@@ -283,6 +298,24 @@ class BlockStore:
             for e in reversed(entries):
                 self._host.unpin(e, owner)
 
+    def touch(self, keys: Sequence[BlockKey], counts: Sequence[int], sizes: Sequence[int]) -> int:
+        """Reads served by the shared index, reported afterwards: ``counts[i]`` reads of
+        ``sizes[i]`` bytes of ``keys[i]``, in the order used (the last is the most recent;
+        a batch's reads arrive tail first, like every batch call's). Blocks still in the host
+        tier become the most recently used; every read counts as a host hit. Returns the bytes
+        read."""
+        nbytes = 0
+        with self._lock:
+            self._check_open()
+            for key, n, size in zip(keys, counts, sizes):
+                e = self._host.get(key)
+                if e is not None and e.visible:
+                    self._host.touch(e)
+                self._s_host.hits += n
+                self._s_host.bytes_out += n * size
+                nbytes += n * size
+        return nbytes
+
     def get(self, key: BlockKey) -> bytes | None:
         """One block's bytes, or None."""
         (loc,) = self.pin([key])
@@ -377,6 +410,8 @@ class BlockStore:
             self._ssd.close()
         if self._gpu is not None:
             self._gpu.close()
+        if self.index is not None:
+            self.index.close()  # readers see "closed" before the arena goes
         self.arena.close()
 
     def __enter__(self) -> "BlockStore":

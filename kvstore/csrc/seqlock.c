@@ -1,0 +1,158 @@
+/* The shared-memory index's seqlock (kvstore/node/shared_index.py is the layout's spec).
+ *
+ * One writer (the daemon, under its store lock) changes a slot as
+ *     version += 1 (odd); release fence; the slot's fields; version += 1 (even, a release store)
+ * and readers in other processes copy a block out as
+ *     v1 = version (acquire, even); the fields; bounds; memcpy out of the arena;
+ *     acquire fence; v2 = version; v1 == v2: the bytes are the committed block's.
+ * The daemon bumps a slot's version before the block's space can be reused or freed, so a
+ * reader whose copy overlapped any reuse sees v2 != v1 and retries (or gives up: BUSY).
+ * The arena bytes are read with a plain copy that may race with a reuse: that read's
+ * result is thrown away whenever the version moved, which is what a seqlock is.
+ *
+ * The copy is a vector loop rather than memcpy: glibc copies blocks of a few hundred KiB with
+ * `rep movsb`, which on AMD Zen runs ~7x slower when destination and source are 4 KiB
+ * aliased (dst - src mod 4096 small: a 360 KiB copy took 135-200 us instead of 18-26 us).
+ */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#define HDR_STATE 48        /* u64: 1 live, 0 closed */
+#define SLOTS_AT 4096       /* the first slot's offset */
+#define SLOT_BYTES 64
+#define S_EMPTY 0
+#define S_LIVE 1
+#define S_TOMB 2
+
+enum { KV_HIT = 0, KV_MISS = 1, KV_BUSY = 2, KV_SMALL = 3, KV_CLOSED = 4 };
+
+typedef _Atomic uint64_t a64;
+
+static inline a64 *field(uint8_t *slot, int off) { return (a64 *)(slot + off); }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* memcpy, with the large part as aligned vector stores (see the top of the file). */
+static void copy_bytes(uint8_t *dst, const uint8_t *src, uint64_t n) {
+#if defined(__AVX2__)
+    if (n >= 256) {
+        uint64_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+        memcpy(dst, src, 32);
+        dst += head; src += head; n -= head;
+        for (; n >= 128; src += 128, dst += 128, n -= 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)src);
+            __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
+            __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
+            _mm256_store_si256((__m256i *)dst, a);
+            _mm256_store_si256((__m256i *)(dst + 32), b);
+            _mm256_store_si256((__m256i *)(dst + 64), c);
+            _mm256_store_si256((__m256i *)(dst + 96), d);
+        }
+    }
+#elif defined(__SSE2__)
+    if (n >= 256) {
+        uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, 16);
+        dst += head; src += head; n -= head;
+        for (; n >= 64; src += 64, dst += 64, n -= 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_store_si128((__m128i *)dst, a);
+            _mm_store_si128((__m128i *)(dst + 16), b);
+            _mm_store_si128((__m128i *)(dst + 32), c);
+            _mm_store_si128((__m128i *)(dst + 48), d);
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static inline uint64_t load_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Look ``key`` (16 bytes) up and copy its block into ``dst`` (``dst_cap`` bytes).
+ * KV_HIT: copied, *out_size = its size. KV_SMALL: *out_size = its size, nothing usable copied.
+ * KV_MISS: not in the index. KV_BUSY: the slot kept changing for ``retries`` attempts.
+ * KV_CLOSED: the daemon closed the index. */
+int kv_seq_get(uint8_t *index, uint64_t mask, int max_probe, const uint8_t *key,
+               const uint8_t *arena, uint64_t arena_size, uint8_t *dst, uint64_t dst_cap,
+               uint64_t *out_size, int retries) {
+    if (atomic_load_explicit(field(index, HDR_STATE), memory_order_acquire) != 1)
+        return KV_CLOSED;
+    uint64_t k0 = load_u64(key), k1 = load_u64(key + 8);
+    uint64_t h = k0;
+    for (int probe = 0; probe < max_probe; probe++) {
+        uint8_t *slot = index + SLOTS_AT + ((h + (uint64_t)probe) & mask) * SLOT_BYTES;
+        a64 *ver = field(slot, 0);
+        int tries = 0;
+        for (;;) {
+            uint64_t v1 = atomic_load_explicit(ver, memory_order_acquire);
+            if (v1 & 1) {
+                if (++tries >= retries) return KV_BUSY;
+                cpu_relax();
+                continue;
+            }
+            uint64_t state = atomic_load_explicit(field(slot, 8), memory_order_relaxed);
+            uint64_t s0 = atomic_load_explicit(field(slot, 16), memory_order_relaxed);
+            uint64_t s1 = atomic_load_explicit(field(slot, 24), memory_order_relaxed);
+            uint64_t off = atomic_load_explicit(field(slot, 32), memory_order_relaxed);
+            uint64_t size = atomic_load_explicit(field(slot, 40), memory_order_relaxed);
+            if (state != S_LIVE || s0 != k0 || s1 != k1) {
+                atomic_thread_fence(memory_order_acquire);
+                if (atomic_load_explicit(ver, memory_order_relaxed) != v1) {
+                    if (++tries >= retries) return KV_BUSY;
+                    continue;  /* read while it changed: look again */
+                }
+                if (state == S_EMPTY) return KV_MISS;  /* never used: the key is not further on */
+                break;  /* another key's slot, or a tombstone: probe on */
+            }
+            int fits = size <= dst_cap && off <= arena_size && size <= arena_size - off;
+            if (fits) copy_bytes(dst, arena + off, size);
+            atomic_thread_fence(memory_order_acquire);
+            if (atomic_load_explicit(ver, memory_order_relaxed) == v1) {
+                *out_size = size;
+                if (fits) return KV_HIT;
+                return size <= dst_cap ? KV_BUSY : KV_SMALL;  /* out of bounds: never stable */
+            }
+            if (++tries >= retries) return KV_BUSY;
+        }
+    }
+    return KV_MISS;
+}
+
+/* The writer's half: set one slot's fields under its seqlock (the daemon's one writer). */
+void kv_seq_write(uint8_t *slot, uint64_t state, const uint8_t *key, uint64_t off, uint64_t size) {
+    a64 *ver = field(slot, 0);
+    uint64_t v = atomic_load_explicit(ver, memory_order_relaxed);
+    atomic_store_explicit(ver, v + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);  /* odd before any field changes */
+    atomic_store_explicit(field(slot, 8), state, memory_order_relaxed);
+    if (key != NULL) {
+        atomic_store_explicit(field(slot, 16), load_u64(key), memory_order_relaxed);
+        atomic_store_explicit(field(slot, 24), load_u64(key + 8), memory_order_relaxed);
+        atomic_store_explicit(field(slot, 32), off, memory_order_relaxed);
+        atomic_store_explicit(field(slot, 40), size, memory_order_relaxed);
+    }
+    atomic_store_explicit(ver, v + 2, memory_order_release);  /* even: fields complete */
+}
+
+/* The header's state word (1 live, 0 closed), a release store. */
+void kv_seq_set_state(uint8_t *index, uint64_t state) {
+    atomic_store_explicit(field(index, HDR_STATE), state, memory_order_release);
+}
