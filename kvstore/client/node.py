@@ -8,9 +8,11 @@ arena when HELLO names one, ``shared_index=False`` to leave it): a committed hos
 copied out under its slot's seqlock with no message at all, and the read is reported later in
 a batched one-way TOUCH (recency, hit counters; ``kvstore.net.connection``). Keys it does not
 settle (absent, SSD- or GPU-resident, a slot that kept changing) and every get with a
-``Sink`` among its buffers take the PIN path: PIN + copy from the mapped arena + UNPIN. Otherwise values travel in PUT/GET frames (``kvstore.net.protocol``), received straight
-into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many blocks).
-``transport="tcp"`` forces the socket path. The socket, handshake and framing live in
+``Sink`` among its buffers take the PIN path: PIN + copy from the mapped arena + UNPIN
+(``kvstore.client.shm_path``). Otherwise values travel in PUT/GET frames
+(``kvstore.net.protocol``), received straight into the caller's buffers with scatter reads
+(one ``recvmsg_into`` fills many blocks; a one-block get's header, size and first bytes come
+in one). ``transport="tcp"`` forces the socket path. The socket, handshake and framing live in
 ``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
 
 Buffers: anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and
@@ -54,9 +56,9 @@ import numpy as np
 
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
-from kvstore.net.buffers import Dest, Sink, source_bytes
+from kvstore.client import shm_path
+from kvstore.net.buffers import Dest, source_bytes
 from kvstore.net.connection import Connection, Traffic, parse_address
-from kvstore.node.shared_index import HIT, SMALL
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
 __all__ = ["Client", "parse_address"]
@@ -80,22 +82,6 @@ def _byte_chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[slice]:
         total += s
     if start < len(sizes):
         yield slice(start, len(sizes))
-
-
-@contextmanager
-def _pinned(conn: Connection, keys) -> Iterator[tuple[list[int], list[int]]]:
-    """PIN ``keys`` for the block: (offsets, sizes) in the arena, ``P.MISSING`` for absent
-    keys; the pinned ones are unpinned (one-way) on the way out, however it is left."""
-    _, meta = conn.exchange(P.Op.PIN, P.pack_keys(keys))
-    n = len(keys)
-    arr = np.frombuffer(meta, "<u8")
-    offsets, sizes = arr[:n].tolist(), arr[n:].tolist()
-    try:
-        yield offsets, sizes
-    finally:
-        pinned = [k for k, s in zip(keys, sizes) if s != P.MISSING]
-        if pinned:
-            conn.send_oneway(P.Op.UNPIN, P.pack_keys(pinned))
 
 
 class Client:
@@ -175,7 +161,7 @@ class Client:
         for sl in _byte_chunks([s.nbytes for s in srcs], max_bytes):
             with self._request() as conn:
                 if conn.arena is not None:
-                    self._put_shm(conn, keys[sl], srcs[sl])
+                    shm_path.put(conn, keys[sl], srcs[sl])
                 else:
                     self._put_tcp(conn, keys[sl], srcs[sl])
 
@@ -183,12 +169,17 @@ class Client:
         """Copy each present block into its buffer; return which keys were found."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        conn = self._conn
+        if conn is not None and conn.index is not None and 0 < len(keys) <= P.MAX_BATCH:
+            fast = self._get_indexed(conn, keys, buffers)
+            if fast is not None:
+                return fast
         dests = [Dest(b) for b in buffers]
         found: list[bool] = []
         for sl in _chunks(len(keys)):
             with self._request() as conn:
                 if conn.arena is not None:
-                    found += self._get_shm(conn, keys[sl], dests[sl])
+                    found += shm_path.get(conn, keys[sl], dests[sl])
                 else:
                     found += self._get_tcp(conn, keys[sl], dests[sl])
         return found
@@ -199,9 +190,10 @@ class Client:
         for sl in _chunks(len(keys)):
             with self._request() as conn:
                 if conn.arena is not None:
-                    out += self._read_shm(conn, keys[sl])
+                    out += shm_path.read(conn, keys[sl])
                     continue
-                _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True)
+                _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True,
+                                        expect=8 * (sl.stop - sl.start))
                 bufs = [None if s == P.MISSING else bytearray(s)
                         for s in np.frombuffer(meta, "<u8").tolist()]
                 conn.recv([b for b in bufs if b is not None])
@@ -212,7 +204,7 @@ class Client:
         out: list[bool] = []
         for sl in _chunks(len(keys)):
             with self._request() as conn:
-                _, meta = conn.exchange(P.Op.CONTAINS, P.pack_keys(keys[sl]))
+                _, meta = conn.exchange(P.Op.CONTAINS, P.pack_keys(keys[sl]), expect=sl.stop - sl.start)
                 out += [bool(b) for b in meta]
         return out
 
@@ -263,7 +255,7 @@ class Client:
     def _count(self, op: P.Op, keys) -> int:
         """A request whose answer is one u32 (PREFIX_LEN, DELETE)."""
         with self._request() as conn:
-            _, meta = conn.exchange(op, P.pack_keys(keys))
+            _, meta = conn.exchange(op, P.pack_keys(keys), expect=4)
         return P._U32.unpack(meta)[0]
 
     def _put_tcp(self, conn: Connection, keys, srcs: list[np.ndarray]) -> None:
@@ -272,27 +264,29 @@ class Client:
         if total > conn.hello["max_data"]:
             raise StoreFull(f"a put of {total} bytes exceeds the node's {conn.hello['max_data']}"
                             "-byte arena; put fewer blocks at once or raise its --memory")
-        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), srcs)
+        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), srcs, expect=len(keys))
 
-    def _put_shm(self, conn: Connection, keys, srcs: list[np.ndarray]) -> None:
-        _, meta = conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(keys, [s.nbytes for s in srcs]))
-        offsets = np.frombuffer(meta, "<u8").tolist()
-        mine = [k for k, off in zip(keys, offsets) if off != P.MISSING]
-        arena = conn.arena_np
-        assert arena is not None, "the shared-memory path runs on a mapped connection only"
-        try:
-            for src, off in zip(srcs, offsets):
-                if off != P.MISSING:
-                    np.copyto(arena[off: off + src.nbytes], src)
-        except BaseException:
-            if mine:
-                conn.exchange(P.Op.ABORT, P.pack_keys(mine))
-            raise
-        if mine:
-            conn.exchange(P.Op.COMMIT, P.pack_keys(mine))
+    def _get_one_tcp(self, conn: Connection, key: bytes, d: Dest) -> bool:
+        """One block: its answer's header, size and first bytes in one ``recv``, straight
+        into the buffer (a buffer too small for the block may have been written)."""
+        view = d.array.data  # a memoryview of the flat uint8 buffer
+        h, meta, got = conn.exchange_into(P.Op.GET, P.pack_keys([key]), expect=8, spill=view)
+        (s,) = P.unpack_sizes(meta)
+        if s == P.MISSING:
+            return False
+        if s > d.array.nbytes:
+            conn.drain(h.data_len - got)
+            raise ValueError(f"buffer 0 holds {d.array.nbytes} bytes, its block is {s}")
+        if got < s:
+            conn.recv([view[got:s]])
+        if d.staged:
+            d.finish(s)
+        return True
 
     def _get_tcp(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        h, meta = conn.exchange(P.Op.GET, P.pack_keys(keys), keep_data=True)
+        if len(keys) == 1 and dests[0].array.nbytes:
+            return [self._get_one_tcp(conn, keys[0], dests[0])]
+        h, meta = conn.exchange(P.Op.GET, P.pack_keys(keys), keep_data=True, expect=8 * len(keys))
         sizes = np.frombuffer(meta, "<u8").tolist()
         views = []
         for i, (d, s) in enumerate(zip(dests, sizes)):
@@ -316,87 +310,23 @@ class Client:
                     d.finish(s)
         return [s != P.MISSING for s in sizes]
 
-    def _get_shm(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        index = conn.index_ready()
-        if index is None or any(d.sink is not None for d in dests):
-            return self._get_pinned(conn, keys, dests)
-        n = len(keys)
-        found = [False] * n
-        rest: list[int] = []
-        for i in range(n - 1, -1, -1):  # tail first: the head is reported the most recent
-            d = dests[i]
-            rc, size = index.get_into(keys[i], d.array)
-            if rc == HIT:
-                found[i] = True
-                conn.note_read(keys[i], size)
-                if d.staged:
-                    d.finish(size)
-            elif rc == SMALL:
-                raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {size}")
-            else:
-                rest.append(i)
-        if rest:  # the PIN path; the reads above are reported (TOUCH) before it, in one send
-            rest.reverse()
-            got = self._get_pinned(conn, [keys[i] for i in rest], [dests[i] for i in rest])
-            for i, ok in zip(rest, got):
-                found[i] = ok
-        elif conn.touch_due():
-            conn.flush_touches()
-        return found
-
-    def _get_pinned(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        arena = conn.arena_np
-        assert arena is not None, "the shared-memory path runs on a mapped connection only"
-        with _pinned(conn, keys) as (offsets, sizes):
-            sunk: list[tuple[Sink, np.ndarray]] = []
-            for i, (d, off, s) in enumerate(zip(dests, offsets, sizes)):
-                if s == P.MISSING:
-                    continue
-                if s > d.array.nbytes:
-                    raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
-                if d.sink is not None:  # consumed where it lies, pinned: no copy before it
-                    sunk.append((d.sink, arena[off: off + s]))
-                    continue
-                np.copyto(d.array[:s], arena[off: off + s])
-                if d.staged:
-                    d.finish(s)
-            if sunk:  # all at once (a sink may spread them over threads), before the unpin
-                type(sunk[0][0]).consume_all(sunk)
-        return [s != P.MISSING for s in sizes]
-
-    def _read_shm(self, conn: Connection, keys) -> list[bytes | None]:
-        """``get_bytes`` on shared memory: the index first (a size probe, then the copy), the
-        PIN path for the rest."""
-        index = conn.index_ready()
-        if index is None:
-            return self._read_pinned(conn, keys)
-        out: list[bytes | None] = [None] * len(keys)
-        rest: list[int] = []
-        probe = np.empty(0, np.uint8)
-        for i in range(len(keys) - 1, -1, -1):
-            rc, size = index.get_into(keys[i], probe)
-            if rc == SMALL:
-                buf = bytearray(size)
-                rc, size = index.get_into(keys[i], np.frombuffer(buf, np.uint8))
-                if rc == HIT:
-                    out[i] = bytes(buf)
-                    conn.note_read(keys[i], size)
-                    continue
-            rest.append(i)
-        if rest:
-            rest.reverse()
-            for i, b in zip(rest, self._read_pinned(conn, [keys[i] for i in rest])):
-                out[i] = b
-        elif conn.touch_due():
-            conn.flush_touches()
-        return out
-
-    def _read_pinned(self, conn: Connection, keys) -> list[bytes | None]:
-        arena = conn.arena
-        assert arena is not None, "the shared-memory path runs on a mapped connection only"
-        with _pinned(conn, keys) as (offsets, sizes):
-            return [None if s == P.MISSING else arena.buf[off: off + s].tobytes()
-                    for off, s in zip(offsets, sizes)]
+    def _get_indexed(self, conn: Connection, keys, buffers) -> list[bool] | None:
+        """``get`` of plain buffers through the index (``shm_path.read_plain``); None: take
+        the general path."""
+        with self._lock:
+            if self._conn is not conn:
+                return None
+            done = shm_path.read_plain(conn, keys, buffers)
+            if done is None:
+                return None
+            found, rest = done
+            if rest or conn.touch_due():
+                with self._request() as c:
+                    if rest:
+                        shm_path.pin_rest(c, keys, buffers, rest, found)
+                    else:
+                        c.flush_touches()
+            return found
 
     # --- connection ------------------------------------------------------------------------
 

@@ -14,8 +14,13 @@
  * `rep movsb`, which on AMD Zen runs ~7x slower when destination and source are 4 KiB
  * aliased (dst - src mod 4096 small: a 360 KiB copy took 135-200 us instead of 18-26 us).
  */
+#ifdef KV_PYTHON_API  /* the second build (kvstore.native.seqlock.PY_LIBRARY): Python objects in */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#endif
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__SSE2__)
 #include <immintrin.h>
@@ -156,3 +161,65 @@ void kv_seq_write(uint8_t *slot, uint64_t state, const uint8_t *key, uint64_t of
 void kv_seq_set_state(uint8_t *index, uint64_t state) {
     atomic_store_explicit(field(index, HDR_STATE), state, memory_order_release);
 }
+
+/* A reader's constants in one place, so a get passes a handle, a key and a buffer. */
+typedef struct {
+    uint8_t *index;
+    uint64_t mask;
+    int max_probe;
+    const uint8_t *arena;
+    uint64_t arena_size;
+    int retries;
+} kv_reader;
+
+void *kv_reader_new(uint8_t *index, uint64_t mask, int max_probe, const uint8_t *arena,
+                    uint64_t arena_size, int retries) {
+    kv_reader *r = malloc(sizeof *r);
+    if (r == NULL) return NULL;
+    r->index = index; r->mask = mask; r->max_probe = max_probe;
+    r->arena = arena; r->arena_size = arena_size; r->retries = retries;
+    return r;
+}
+
+void kv_reader_free(void *r) { free(r); }
+
+/* kv_seq_get through a handle, the answer folded into one integer: >= 0 a HIT of that many
+ * bytes; -1 - status for MISS, BUSY, CLOSED (-2, -3, -5); SMALL as -16 - size. */
+static int64_t fold(int rc, uint64_t size) {
+    if (rc == KV_HIT) return (int64_t)size;
+    if (rc == KV_SMALL) return -16 - (int64_t)size;
+    return -1 - rc;
+}
+
+int64_t kv_read(void *h, const uint8_t *key, uint8_t *dst, uint64_t cap) {
+    kv_reader *r = h;
+    uint64_t size = 0;
+    int rc = kv_seq_get(r->index, r->mask, r->max_probe, key, r->arena, r->arena_size, dst, cap,
+                        &size, r->retries);
+    return fold(rc, size);
+}
+
+#ifdef KV_PYTHON_API
+#define KV_BADBUF (-6)  /* -1 - 5: not a writable C-contiguous buffer (the caller decides) */
+#define GIL_FREE_BYTES (256 << 10)  /* copies from this size on run without the GIL */
+
+/* kv_read into any writable, C-contiguous buffer object (bytearray, NumPy array,
+ * memoryview), called with the GIL held (ctypes.PyDLL), which large copies release. */
+int64_t kv_read_obj(void *h, const uint8_t *key, PyObject *dst) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(dst, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        return KV_BADBUF;
+    }
+    int64_t out;
+    if (view.len >= GIL_FREE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        out = kv_read(h, key, view.buf, (uint64_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        out = kv_read(h, key, view.buf, (uint64_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+#endif

@@ -90,7 +90,7 @@ class Connection:
     """A live, authenticated connection (``open``); ``arena`` is set on the shm path."""
 
     __slots__ = ("sock", "hello", "arena", "arena_np", "index", "rid", "_hdr", "_traffic",
-                 "_scratch", "_poll", "_reads", "_reads_since")
+                 "_scratch", "_poll", "_tls", "_reads", "_reads_since")
 
     def __init__(self, sock: socket.socket, traffic: Traffic) -> None:
         self.sock = sock
@@ -103,6 +103,7 @@ class Connection:
         self._traffic = traffic
         self._scratch: memoryview | None = None
         self._poll: Any = None
+        self._tls = False
         self._reads: dict[bytes, list[int]] = {}  # key -> [reads, size], oldest first
         self._reads_since = 0.0
 
@@ -171,6 +172,7 @@ class Connection:
             if self.index is not None:
                 self._poll = select.poll()
                 self._poll.register(self.sock.fileno(), _HUNG)
+                self._tls = P.is_tls(self.sock)
 
     def close(self) -> None:
         if self.index is not None:
@@ -188,7 +190,7 @@ class Connection:
         published it is still the one on the other end, with nothing to say)."""
         if self.index is None or self._poll.poll(0):
             return None
-        if P.is_tls(self.sock) and self.sock.pending():  # type: ignore[attr-defined]
+        if self._tls and self.sock.pending():  # type: ignore[attr-defined]
             return None
         return self.index
 
@@ -236,15 +238,29 @@ class Connection:
     def report_touches(self) -> None:
         """Send the pending reads and wait until the daemon has taken them (at close)."""
         if self._reads:  # the pending frames go first (exchange), then an empty TOUCH answered
-            self.exchange(P.Op.TOUCH, P.pack_touch([], [], []))
+            self.exchange(P.Op.TOUCH, P.pack_touch([], [], []), expect=0)
 
     # --- framing ---------------------------------------------------------------------------
 
     def exchange(self, op: P.Op, meta: bytes, data: list | None = None,
-                 keep_data: bool = False) -> tuple[P.Header, memoryview]:
+                 keep_data: bool = False, expect: int | None = None) -> tuple[P.Header, memoryview]:
         """Send one request and read its response header and meta. With ``keep_data`` the
-        response's data is left on the socket for the caller to read (``recv``). Pending
-        reads of the index go first, as one-way TOUCH frames in the same send."""
+        response's data is left on the socket for the caller to read (``recv``). ``expect``:
+        the meta length a success answers with, so that header and meta come in one
+        ``recv``. Pending reads of the index go first, as one-way TOUCH frames in the same
+        send."""
+        h, rmeta, _ = self.exchange_into(op, meta, data, expect=expect)
+        if h.data_len and not keep_data:
+            self.drain(h.data_len)
+        return h, rmeta
+
+    def exchange_into(self, op: P.Op, meta: bytes, data: list | None = None, *,
+                      expect: int | None = None, spill: Any = None
+                      ) -> tuple[P.Header, memoryview, int]:
+        """``exchange`` whose answer's data may start landing in ``spill`` (a writable
+        buffer: the destination of a one-block GET) in the same ``recv`` as its header and
+        meta; returns (header, meta, data bytes already in ``spill``), the rest of the data
+        left on the socket. An error answer may have written into ``spill``."""
         touches = self._touch_frames() if self._reads else b""
         self.rid += 1
         data_len = sum(d.nbytes for d in data) if data else 0
@@ -254,21 +270,46 @@ class Connection:
         else:
             self.sock.sendall(touches + head + meta)
         self._traffic.sent += P.HEADER_SIZE + len(meta) + data_len
-        self.recv([self._hdr])
-        h = P.unpack_header(self._hdr)
-        if h.flags & P.FLAG_ERROR and h.request_id == 0:  # about the connection (protocol.py)
-            rmeta = memoryview(bytearray(min(h.meta_len, 1 << 16)))
-            self.recv([rmeta])
-            raise P.error_from_meta(rmeta)
+        if expect is None:
+            self.recv([self._hdr])
+            h, rmeta = self._answer(op, P.unpack_header(self._hdr), b"")
+            return h, rmeta, 0
+        hm = memoryview(bytearray(P.HEADER_SIZE + expect))
+        got = P.recv_at_least(self.sock, [hm] if spill is None else [hm, spill], P.HEADER_SIZE)
+        self._traffic.received += got
+        h = P.unpack_header(hm[:P.HEADER_SIZE])
+        if h.meta_len == expect and not h.flags & P.FLAG_ERROR:
+            self._check_answer(op, h)
+            if got < len(hm):
+                self.recv([hm[got:]])
+            return h, hm[P.HEADER_SIZE:], max(0, got - len(hm))
+        # another meta length (an error, normally): what came past the header is its meta's
+        early = hm[P.HEADER_SIZE:got].tobytes() + (bytes(memoryview(spill).cast("B")[: got - len(hm)])
+                                                   if spill is not None and got > len(hm) else b"")
+        if len(early) > h.meta_len:
+            raise ProtocolError(f"an answer of op {h.op} with {h.meta_len} bytes of meta where "
+                                f"{expect} were expected, and data")
+        h, rmeta = self._answer(op, h, early)
+        return h, rmeta, 0
+
+    def _check_answer(self, op: P.Op, h: P.Header) -> None:
         if h.request_id != self.rid or h.op != op or not h.flags & P.FLAG_RESPONSE:
             raise ProtocolError(f"response (op {h.op}, id {h.request_id}) does not answer "
                                 f"request (op {int(op)}, id {self.rid})")
-        rmeta = memoryview(bytearray(h.meta_len))
-        self.recv([rmeta])
+
+    def _answer(self, op: P.Op, h: P.Header, early: bytes) -> tuple[P.Header, memoryview]:
+        """The rest of an answer's meta after its header (``early``: its first bytes, read
+        already); an error answer raises its exception."""
+        if h.flags & P.FLAG_ERROR and h.request_id == 0:  # about the connection (protocol.py)
+            rmeta = memoryview(bytearray(min(h.meta_len, 1 << 16)))
+        else:
+            self._check_answer(op, h)
+            rmeta = memoryview(bytearray(h.meta_len))
+        n = min(len(early), rmeta.nbytes)
+        rmeta[:n] = early[:n]
+        self.recv([rmeta[n:]])
         if h.flags & P.FLAG_ERROR:
             raise P.error_from_meta(rmeta)
-        if h.data_len and not keep_data:
-            self.drain(h.data_len)
         return h, rmeta
 
     def send_oneway(self, op: P.Op, meta: bytes) -> None:

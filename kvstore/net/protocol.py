@@ -108,7 +108,7 @@ __all__ = [
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
     "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit", "is_tls", "pack_touch",
-    "unpack_touch", "NO_REPLY_OPS",
+    "unpack_touch", "NO_REPLY_OPS", "recv_at_least", "unpack_sizes",
 ]
 
 MAGIC = b"KVSP"
@@ -266,6 +266,11 @@ def unpack_touch(meta) -> tuple[list[BlockKey], list[int], list[int]]:
     return keys, counts, sizes
 
 
+def unpack_sizes(meta) -> list[int]:
+    """A meta of u64 sizes (a GET's answer) as ints."""
+    return np.frombuffer(meta, "<u8").tolist()
+
+
 def pack_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -374,6 +379,24 @@ def recv_buffers(sock: socket.socket, views: list, before: Callable[[], None] | 
             left = sum(v.nbytes for v in bufs[i:])
             raise ConnectionError(f"peer closed the connection {left} bytes short of a frame")
         i = _advance(bufs, i, got)
+    return total
+
+
+def recv_at_least(sock: socket.socket, views: list, nbytes: int) -> int:
+    """Read into the views in order until at least ``nbytes`` have come, in one call when they
+    are there (a response's header and meta, and the first bytes of its data, at once); the
+    bytes read, possibly more than ``nbytes`` (never past the views). ``ConnectionError`` on EOF."""
+    bufs = [v for v in (memoryview(b).cast("B") for b in views) if v.nbytes]
+    one = is_tls(sock) or len(bufs) == 1
+    total = i = 0
+    while total < nbytes:
+        got = sock.recv_into(bufs[i]) if one else sock.recvmsg_into(bufs[i: i + _IOV_MAX])[0]
+        if got == 0:
+            raise ConnectionError(f"peer closed the connection {nbytes - total} bytes short of a frame")
+        total += got
+        i = _advance(bufs, i, got)
+        if one and i:  # the first view is full: the rest one at a time is recv_buffers' job
+            break
     return total
 
 

@@ -3,7 +3,9 @@
 A session is served in steps (``step()``) by one of the server's serving threads, whenever
 its socket is readable; between steps it waits in the server's epoll set and holds no thread
 (``kvstore.net.server``). A step reads what has arrived without blocking until a whole
-header is in, then serves frames while more are waiting:
+header is in, then serves frames while more are waiting. How frames are read (exact before
+HELLO and on TLS, through the serving thread's buffer after it; the frame deadline) is
+``kvstore.net.frames``'s:
 
 - Before HELLO succeeds nothing blocks and nothing but the 32-byte header and a HELLO meta
   of at most ``MAX_HELLO_META`` bytes is held: a peer that has not authenticated cannot
@@ -35,7 +37,6 @@ import dataclasses
 import hmac
 import logging
 import socket
-import struct
 import time
 from typing import Any, Callable, Literal, NoReturn, Protocol
 
@@ -44,6 +45,7 @@ import numpy as np
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P, tls_io
+from kvstore.net.frames import Close, FrameReader, FrameTimeout
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore
 
@@ -52,7 +54,6 @@ __all__ = ["Session", "SessionHost", "ServerMetrics", "Close", "FrameTimeout", "
 
 log = logging.getLogger("kvstore.net.server")
 
-_SCRATCH = 1 << 20
 _BURST = 64  # frames served in one step before the session yields its thread
 
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
@@ -94,28 +95,13 @@ class SessionHost(Protocol):
     def server_stats(self) -> dict[str, Any]: ...
 
 
-class Close(Exception):
-    """End this session (after an error frame was sent, or the stream is unusable)."""
-
-
-class FrameTimeout(TimeoutError):
-    """A frame was not complete within the frame deadline."""
-
-
-def _timeval(seconds: float) -> bytes:
-    """A ``struct timeval`` of at least 1 ms (0 would mean no timeout at all)."""
-    usec = max(1000, int(seconds * 1e6))
-    return struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
-
-
 class Session:
     """One connection (module docstring). ``state`` is the server's: "idle" (in the epoll
     set), "busy" (queued for or in a serving thread) or "closed"."""
 
     __slots__ = ("server", "store", "sock", "fd", "peer", "state", "authed", "opened",
-                 "last_active", "frame_started", "_hdr", "_hdr_got", "_header", "_pre",
-                 "_pre_got", "_scratch", "_deadline", "_rcvtimeo", "reserved",
-                 "reserved_bytes", "pins", "tls", "handshaking", "want_write", "__weakref__")
+                 "last_active", "reader", "_header", "reserved", "reserved_bytes", "pins", "tls",
+                 "handshaking", "__weakref__")
 
     def __init__(self, server: SessionHost, sock: socket.socket, peer: object, now: float) -> None:
         self.server = server
@@ -126,21 +112,23 @@ class Session:
         self.state = "idle"
         self.authed = False
         self.opened = self.last_active = now
-        self.frame_started: float | None = None  # first byte of a frame not yet served
-        self._hdr = bytearray(P.HEADER_SIZE)
-        self._hdr_got = 0
+        self.reader = FrameReader(sock, server.limits.frame_timeout)
         self._header: P.Header | None = None
-        self._pre: bytearray | None = None  # the HELLO meta, read without blocking
-        self._pre_got = 0
-        self._scratch: memoryview | None = None
-        self._deadline = 0.0
-        self._rcvtimeo = server.limits.frame_timeout  # the kernel's SO_RCVTIMEO now
         self.reserved: dict[BlockKey, int] = {}
         self.reserved_bytes = 0
         self.pins: collections.Counter[BlockKey] = collections.Counter()
         self.tls = P.is_tls(sock)
         self.handshaking = self.tls  # a TLS socket comes before its handshake
-        self.want_write = False      # wait for writability, not readability (TLS)
+
+    @property
+    def frame_started(self) -> float | None:
+        """When the first byte of a frame not yet served arrived (the server's sweep)."""
+        return self.reader.frame_started
+
+    @property
+    def want_write(self) -> bool:
+        """Wait for writability, not readability (a TLS step)."""
+        return self.reader.want_write
 
     # --- steps --------------------------------------------------------------------------
 
@@ -149,38 +137,39 @@ class Session:
         a clean end of stream), ``FrameTimeout`` or ``OSError`` when the session must end."""
         if self.handshaking and not self._handshake():
             return
-        for _ in range(_BURST):
-            h = self._header or self._read_header()
-            if h is None:
-                return
-            self._header = h
-            if not self.authed:
-                meta = self._read_hello_meta(h)
-                if meta is None:
+        r = self.reader
+        r.attach(buffered=self.authed)
+        try:
+            for _ in range(_BURST):
+                h = self._header or self._read_header()
+                if h is None:
                     return
-                self._header, self._pre = None, None
-                self._run(h, meta)
-            else:
-                self._header = None
-                self.reset_timeouts()
-                self._deadline = (self.frame_started or time.monotonic()) + self.server.limits.frame_timeout
-                meta = memoryview(bytearray(h.meta_len))
-                P.recv_exact(self.sock, meta, self._before_recv)
-                self._run(h, meta)
-            self.frame_started = None
-            self.last_active = time.monotonic()
+                self._header = h
+                if not self.authed:
+                    meta = r.hello_meta(h)
+                    if meta is None:
+                        return
+                    self._header = None
+                    self._run(h, meta)
+                else:
+                    self._header = None
+                    r.begin()
+                    self._run(h, r.meta(h))
+                r.end_frame()
+                self.last_active = time.monotonic()
+        finally:
+            r.detach()
 
     def _handshake(self) -> bool:
         """One non-blocking step of the TLS handshake; True once it is done."""
         try:
-            step = tls_io.handshake_step(self.sock, self._rcvtimeo)
+            step = self.reader.handshake_step()
         except OSError as e:  # ssl.SSLError: a refused certificate, a peer not speaking TLS
             log.info("closing connection %s: TLS handshake failed: %s", self.peer, e)
             if self.server.metrics is not None:
                 self.server.metrics.dropped("tls_handshake")
             tls_io.refuse(self.sock)
             raise Close() from None
-        self.want_write = step == "write"
         self.handshaking = step != "done"
         return not self.handshaking
 
@@ -188,39 +177,13 @@ class Session:
         """Whether TLS holds decrypted bytes epoll cannot see (serve again, do not wait)."""
         return self.tls and not self.handshaking and tls_io.pending(self.sock) > 0
 
-    def _recv_nowait(self, buf: memoryview) -> int:
-        """Bytes read into ``buf`` without blocking (0: nothing there yet)."""
-        try:
-            if self.tls:  # TLS sockets take no MSG_DONTWAIT (kvstore.net.tls_io)
-                got = tls_io.recv_nowait(self.sock, buf, self._rcvtimeo)
-                if isinstance(got, str):
-                    self.want_write = got == "write"
-                    return 0
-            else:
-                got = self.sock.recv_into(buf, buf.nbytes, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        if got == 0:
-            if self.frame_started is not None:
-                raise ConnectionError("peer closed the connection mid-frame")
-            raise Close()  # a clean end of stream
-        if self.frame_started is None:
-            self.frame_started = time.monotonic()
-        return got
-
     def _read_header(self) -> P.Header | None:
-        view = memoryview(self._hdr)
-        while self._hdr_got < P.HEADER_SIZE:
-            got = self._recv_nowait(view[self._hdr_got:])
-            if not got:
-                return None
-            self._hdr_got += got
-        self._hdr_got = 0
         try:
-            h = P.unpack_header(self._hdr)
+            h = self.reader.header()
         except ProtocolError as e:
             self.fail(0, 0, e)
-        self._check(h)
+        if h is not None:
+            self._check(h)
         return h
 
     def _check(self, h: P.Header) -> None:
@@ -240,40 +203,6 @@ class Session:
                 f"{P.Op(h.op).name} meta of {h.meta_len} bytes exceeds its {limit}-byte limit"))
         if not self.authed and h.op != P.Op.HELLO:
             self.fail(h.op, h.request_id, AuthError("the first frame of a connection must be HELLO"))
-
-    def _read_hello_meta(self, h: P.Header) -> memoryview | None:
-        if self._pre is None:
-            self._pre, self._pre_got = bytearray(h.meta_len), 0
-        view = memoryview(self._pre)
-        while self._pre_got < h.meta_len:
-            got = self._recv_nowait(view[self._pre_got:])
-            if not got:
-                return None
-            self._pre_got += got
-        return view
-
-    def _before_recv(self) -> None:
-        """The whole-frame deadline: called before every blocking receive of a frame. The
-        kernel's receive timeout is lowered only near the deadline, so that a frame that
-        arrives in time costs no extra system call."""
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise FrameTimeout(f"frame not complete within {self.server.limits.frame_timeout:g} s")
-        slack = max(0.05, 0.1 * self.server.limits.frame_timeout)
-        if left < self._rcvtimeo - slack:
-            self._set_rcvtimeo(left)
-
-    def _set_rcvtimeo(self, seconds: float) -> None:
-        if self.tls:
-            self.sock.settimeout(max(0.001, seconds))
-        else:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-        self._rcvtimeo = seconds
-
-    def reset_timeouts(self) -> None:
-        """Restore the kernel's receive timeout after a frame that lowered it."""
-        if self._rcvtimeo != self.server.limits.frame_timeout:
-            self._set_rcvtimeo(self.server.limits.frame_timeout)
 
     def _run(self, h: P.Header, meta: memoryview) -> None:
         metrics = self.server.metrics
@@ -315,11 +244,6 @@ class Session:
         except OSError:
             pass
         raise Close()
-
-    def _drain(self, nbytes: int) -> None:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(_SCRATCH))
-        P.drain(self.sock, nbytes, self._scratch, self._before_recv)
 
     def release(self) -> None:
         """Abort this session's reservations and drop its pins (idempotent)."""
@@ -380,7 +304,7 @@ class Session:
         try:
             res = self.store.reserve(list(zip(keys, sizes)), owner=self)
         except StoreFull:
-            self._drain(total)
+            self.reader.drain(total)
             raise
         # The reservations are this session's (owner=self): if the frame breaks off or runs
         # past its deadline, release() aborts them. ``self.reserved`` tracks only RESERVE's,
@@ -388,9 +312,9 @@ class Session:
         buf = self.store.arena.buf
         for r, s in zip(res, sizes):
             if r is None:
-                self._drain(s)
+                self.reader.drain(s)
             else:
-                P.recv_exact(self.sock, buf[r.offset: r.offset + s], self._before_recv)
+                self.reader.read_into(buf[r.offset: r.offset + s])
         self.store.commit([k for k, r in zip(keys, res) if r is not None])
         self._count("in", "tcp", total)
         self._reply(h, bytes(1 if r is not None else 0 for r in res))

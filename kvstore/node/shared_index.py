@@ -76,7 +76,7 @@ from kvstore.native import seqlock as native
 from kvstore.node.arena import Arena
 
 __all__ = ["SharedIndex", "IndexReader", "MAGIC", "LAYOUT", "HEADER_BYTES", "SLOT_BYTES",
-           "MAX_PROBE", "RETRIES", "HIT", "MISS", "BUSY", "SMALL", "CLOSED", "slots_for",
+           "MAX_PROBE", "RETRIES", "HIT", "MISS", "BUSY", "SMALL", "CLOSED", "BADBUF", "slots_for",
            "python_path_is_correct"]
 
 MAGIC = b"KVSIDX01"
@@ -86,8 +86,8 @@ SLOT_BYTES = 64
 MAX_PROBE = 16
 RETRIES = 256
 EMPTY, LIVE, TOMB = 0, 1, 2
-HIT, MISS, BUSY, SMALL, CLOSED = (native.KV_HIT, native.KV_MISS, native.KV_BUSY, native.KV_SMALL,
-                                  native.KV_CLOSED)
+HIT, MISS, BUSY, SMALL, CLOSED, BADBUF = (native.KV_HIT, native.KV_MISS, native.KV_BUSY,
+                                          native.KV_SMALL, native.KV_CLOSED, native.KV_BADBUF)
 _HEADER = struct.Struct("<8s7Q")
 _STATE_WORD = 6  # header u64 index of "state"
 _W = SLOT_BYTES // 8  # u64 words per slot
@@ -222,9 +222,11 @@ class IndexReader:
         self._arena = arena
         self._arena_addr = arena.ctypes.data
         self._arena_size = arena.nbytes
-        self._size = ctypes.c_uint64(0)
-        self._size_ref = ctypes.byref(self._size)
-        self._fn = lib.kv_seq_get if lib is not None else None
+        self._handle = (lib.kv_reader_new(self._addr, self.mask, MAX_PROBE, self._arena_addr,
+                                          self._arena_size, RETRIES) if lib is not None else None)
+        self._read = lib.kv_read if lib is not None else None
+        py = native.py_library() if lib is not None else None
+        self._read_obj = py.kv_read_obj if py is not None else None
 
     @classmethod
     def attach(cls, info: Any, arena: np.ndarray, *, native_only: bool = False) -> "IndexReader | None":
@@ -258,18 +260,30 @@ class IndexReader:
         """The daemon has not closed the index."""
         return self._u64.size > _STATE_WORD and int(self._u64[_STATE_WORD]) == 1
 
+    @property
+    def reads_objects(self) -> bool:
+        """Whether ``read_obj`` is there (the Python-API build of the helper)."""
+        return self._read_obj is not None and self._handle is not None
+
     def get_into(self, key: bytes, dst: np.ndarray) -> tuple[int, int]:
         """(status, size): HIT copied the block into ``dst`` (a flat writable uint8 array,
         C-contiguous); SMALL: ``dst`` is smaller than ``size``; MISS, BUSY, CLOSED: ask the
         daemon."""
         if len(key) != 16:
             return MISS, 0
-        fn = self._fn
-        if fn is not None:
-            rc = fn(self._addr, self.mask, MAX_PROBE, key, self._arena_addr, self._arena_size,
-                    dst.ctypes.data, dst.nbytes, self._size_ref, RETRIES)
-            return rc, self._size.value
+        if self._read is not None and self._handle is not None:
+            k = key if isinstance(key, bytes) else bytes(key)
+            return native.unfold(self._read(self._handle, k, dst.ctypes.data, dst.nbytes))
         return self._get_python(key, dst)
+
+    def read_obj(self, key: bytes, buf: Any) -> int:
+        """``get_into`` for any writable C-contiguous buffer object (``reads_objects`` only),
+        its answer folded into one integer: >= 0 a HIT of that many bytes, else as
+        ``kvstore.native.seqlock.unfold`` says (BADBUF: not such a buffer)."""
+        assert self._read_obj is not None and self._handle is not None
+        if len(key) != 16:
+            return -1 - MISS
+        return self._read_obj(self._handle, key if isinstance(key, bytes) else bytes(key), buf)
 
     def _get_python(self, key: bytes, dst: np.ndarray) -> tuple[int, int]:
         """The seqlock in NumPy (x86 only, see the module docstring)."""
@@ -304,7 +318,9 @@ class IndexReader:
         return MISS, 0
 
     def close(self) -> None:
-        self._fn = None
+        if self._handle is not None and self._lib is not None:
+            self._lib.kv_reader_free(self._handle)
+        self._handle = self._read = self._read_obj = None
         self._base = self._u64 = np.empty(0, np.uint8)
         self._arena = np.empty(0, np.uint8)
         self.region.close()

@@ -16,7 +16,7 @@ from kvstore.node import shared_index as si
 from kvstore.node.arena import Arena
 from kvstore.node.store import BlockStore, StoreConfig
 
-READERS = ["native", "python"]
+READERS = ["native", "object", "python"]  # get_into via kv_read, read_obj via kv_read_obj, NumPy
 
 
 def K(home: int, tag: int = 0) -> BlockKey:
@@ -49,6 +49,9 @@ def read(reader: si.IndexReader, how: str, key: bytes, dst: np.ndarray) -> tuple
     if how == "native":
         assert reader.native, seqlock.LIBRARY.why
         return reader.get_into(key, dst)
+    if how == "object":
+        assert reader.reads_objects, seqlock.PY_LIBRARY.why
+        return seqlock.unfold(reader.read_obj(key, dst))
     return reader._get_python(key, dst)
 
 
@@ -67,6 +70,11 @@ def test_publish_read_retract_and_probing(pair, how):
     assert read(reader, how, keys[2], dst) == (si.HIT, 4096)
     assert read(reader, how, K(8, 99), dst)[0] == si.MISS  # keys[1]'s slot, another key
     assert read(reader, how, keys[1], np.zeros(100, np.uint8)) == (si.SMALL, 4096)
+    if how == "object":  # any writable C-contiguous buffer object; anything else is BADBUF
+        ba = bytearray(5000)
+        assert reader.read_obj(keys[1], ba) == 4096 and ba[:4096] == content(keys[1], 4096).tobytes()
+        assert seqlock.unfold(reader.read_obj(keys[1], b"x" * 5000))[0] == si.BADBUF
+        assert seqlock.unfold(reader.read_obj(keys[1], np.zeros((64, 128), np.uint8)[:, :64]))[0] == si.BADBUF
     assert index.publish(K(7, 50), 0, 64)  # reuses the tombstone
     assert index._slot_of[K(7, 50)] == 7
     index.close()
@@ -119,7 +127,7 @@ def test_no_torn_or_foreign_bytes_under_a_concurrent_writer(pair, how):
     t.start()
     dst = np.zeros(size, np.uint8)
     hits = busy = torn_unchecked = n = 0
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 1.5
     try:
         while time.monotonic() < deadline and n < 200_000:
             n += 1
