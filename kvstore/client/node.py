@@ -271,7 +271,7 @@ class Client:
         into the buffer (a buffer too small for the block may have been written)."""
         view = d.array.data  # a memoryview of the flat uint8 buffer
         h, meta, got = conn.exchange_into(P.Op.GET, P.pack_keys([key]), expect=8, spill=view)
-        (s,) = P.unpack_sizes(meta)
+        s = int.from_bytes(meta, "little")
         if s == P.MISSING:
             return False
         if s > d.array.nbytes:

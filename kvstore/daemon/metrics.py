@@ -120,15 +120,22 @@ class StoreMetrics:
                                       "file descriptors", registry=self.registry)
         self.repair = RepairMetrics(self.registry)
         self.registry.register(_StoreCollector(stats, connections))
+        self._children: dict[tuple[str, ...], Any] = {}  # labels() once per label set
         self._httpd = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
     def observe(self, op: str, seconds: float) -> None:
-        self._latency.labels(op).observe(seconds)
+        child = self._children.get(("op", op))
+        if child is None:
+            child = self._children[("op", op)] = self._latency.labels(op)
+        child.observe(seconds)
 
     def transferred(self, direction: str, path: str, nbytes: int) -> None:
-        self._bytes.labels(direction, path).inc(nbytes)
+        child = self._children.get((direction, path))
+        if child is None:
+            child = self._children[(direction, path)] = self._bytes.labels(direction, path)
+        child.inc(nbytes)
 
     def error(self, code: str) -> None:
         self._errors.labels(code).inc()

@@ -92,9 +92,8 @@ import json
 import socket
 import ssl
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -179,8 +178,9 @@ def meta_limit(op: int) -> int:
     return _META_LIMIT.get(op, _KEYS_META)
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A parsed frame header (a tuple: one allocation per frame, read by field name)."""
+
     op: int
     flags: int
     request_id: int

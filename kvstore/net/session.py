@@ -55,6 +55,7 @@ __all__ = ["Session", "SessionHost", "ServerMetrics", "Close", "FrameTimeout", "
 log = logging.getLogger("kvstore.net.server")
 
 _BURST = 64  # frames served in one step before the session yields its thread
+_OP_NAMES = {int(op): op.name.lower() for op in P.Op}  # the metrics' op label
 
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
 DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
@@ -217,7 +218,7 @@ class Session:
             self._error(h.op, h.request_id, e)
         finally:
             if metrics is not None:
-                metrics.observe(P.Op(h.op).name.lower(), time.perf_counter() - t0)
+                metrics.observe(_OP_NAMES[h.op], time.perf_counter() - t0)
 
     # --- replies ------------------------------------------------------------------------
 
@@ -321,18 +322,23 @@ class Session:
 
     def _get(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys, owner=self)
+        # Pinned for the send only, and unpinned below however it ends: no owner to track.
+        locs = self.store.pin(keys)
         pinned = [k for k, loc in zip(keys, locs) if loc is not None]
         try:
             buf = self.store.arena.buf
-            sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
-                                dtype="<u8", count=len(locs))
+            if len(locs) == 1:
+                loc = locs[0]
+                sizes = (P.MISSING if loc is None else loc.size).to_bytes(8, "little")
+            else:
+                sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
+                                    dtype="<u8", count=len(locs)).tobytes()
             data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
-            self._reply(h, sizes.tobytes(), data)
+            self._reply(h, sizes, data)
             self._count("out", "tcp", sum(v.nbytes for v in data))
         finally:
             if pinned:
-                self.store.unpin(pinned, owner=self)
+                self.store.unpin(pinned)
 
     def _contains(self, h: P.Header, meta: memoryview) -> None:
         self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
