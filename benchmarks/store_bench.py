@@ -27,8 +27,8 @@ turn), so a burst of load from elsewhere hits them alike; each figure is the bes
 ``--iters`` repetitions after one warm-up. A batch is capped at ``--max-batch-bytes`` (fewer
 blocks of 16 MiB); the JSON records the batch actually used.
 
-Latency of batch-1 gets: ``--lat-iters`` single-block gets of each size (shm and TCP
-interleaved, one each in turn, after a warm-up), reported as ``*_get_p50_us`` /
+Latency of batch-1 gets: ``--lat-iters`` single-block gets of each size (shm and TCP in
+alternating runs of a tenth each, after a warm-up), reported as ``*_get_p50_us`` /
 ``*_get_p99_us``; with ``--peer mooncake`` the same count of Mooncake's one-key ``get_into``
 (and one-key ``batch_get_into``, ``mooncake_batch_get_p50_us`` ...); blocks over 1 MiB take
 1/50 of the count. Targets: one 4 KiB get
@@ -205,17 +205,23 @@ def best_of(fns: dict, iters: int) -> dict[str, float]:
     return {k: min(v) for k, v in times.items()}
 
 
-def latencies(fns: dict, n: int) -> dict[str, tuple[float, float]]:
-    """p50 and p99 (microseconds) of ``n`` calls of each of ``fns``, interleaved one call of
-    each in turn, after a warm-up of ``n // 10 + 1`` rounds."""
+def latencies(fns: dict, n: int, blocks: int = 10) -> dict[str, tuple[float, float]]:
+    """p50 and p99 (microseconds) of ``n`` calls of each of ``fns`` after a warm-up of
+    ``n // 10 + 1`` calls each, in ``blocks`` runs per function taken in turn: load from
+    elsewhere lands on all alike, but a call never follows one of another path (a TCP get's
+    daemon work would overlap the next shared-memory get on this machine's 2 CPUs)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(n // 10 + 1 + n):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
+    for fn in fns.values():
+        for _ in range(n // 10 + 1):
             fn()
-            t = time.perf_counter() - t0
-            if i > n // 10:
-                times[name].append(t)
+    per = max(1, n // blocks)
+    while any(len(v) < n for v in times.values()):
+        for name, fn in fns.items():
+            got = times[name]
+            for _ in range(min(per, n - len(got))):
+                t0 = time.perf_counter()
+                fn()
+                got.append(time.perf_counter() - t0)
     return {k: (float(np.percentile(v, 50)) * 1e6, float(np.percentile(v, 99)) * 1e6)
             for k, v in times.items()}
 

@@ -65,6 +65,25 @@ def test_a_get_sends_nothing_and_its_reads_are_reported(start_daemon):
         assert host["hits"] == 7 and host["misses"] == 1 and host["bytes_out"] == 7 * 4096
 
 
+def test_reads_are_reported_within_the_touch_delay_with_no_other_request(start_daemon, monkeypatch):
+    from kvstore.net import connection
+
+    monkeypatch.setattr(connection, "TOUCH_DELAY_S", 0.05)
+    d = start_daemon()
+    key = rand_keys(1)[0]
+    with Client(d.address) as c, Client(d.address, transport="tcp") as t:
+        c.put([key], [b"v" * 4096])
+        buf = np.zeros(4096, np.uint8)
+        assert c.get([key], [buf]) == [True]
+        time.sleep(0.06)
+        sent = c.bytes_sent
+        assert c.get([key], [buf]) == [True] and c.bytes_sent > sent  # the one-way TOUCH
+        deadline = time.monotonic() + 5
+        while t.stats()["store"]["host"]["hits"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert t.stats()["store"]["host"]["hits"] == 2
+
+
 def test_reads_count_toward_recency_tail_before_head(start_daemon):
     """Room for 8 blocks of 128 KiB; a commit over 95% evicts down to 85% (2 blocks)."""
     d = start_daemon(memory="1M")
