@@ -199,6 +199,8 @@ class Connection:
     def note_read(self, key: bytes, size: int) -> None:
         """One read the index served, to report (the latest is the most recent)."""
         self._traffic.index_hits += 1
+        if not isinstance(key, bytes):  # a bytearray or memoryview key: a dict needs bytes
+            key = bytes(key)
         reads = self._reads
         r = reads.pop(key, None)
         if r is None:

@@ -169,7 +169,7 @@ def test_a_concurrent_writer_and_evictor_never_makes_a_get_return_foreign_bytes(
     every block a get returns here must be exactly its key's bytes."""
     d = start_daemon(memory="2M")
     size, pool = 64 << 10, rand_keys(64)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, d.address, "3", str(size),
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, d.address, "2", str(size),
                                ",".join(k.hex() for k in pool)], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     bufs = [np.zeros(size, np.uint8) for _ in range(4)]
@@ -177,7 +177,7 @@ def test_a_concurrent_writer_and_evictor_never_makes_a_get_return_foreign_bytes(
     found_total = 0
     try:
         with Client(d.address) as c:
-            end = time.monotonic() + 2.5
+            end = time.monotonic() + 1.8
             while time.monotonic() < end:
                 ks = [pool[int(i)] for i in rng.integers(len(pool), size=4)]
                 for k, b, ok in zip(ks, bufs, c.get(ks, bufs)):
