@@ -15,6 +15,7 @@ flags)::
     .venv/bin/python -m benchmarks.store_conn_bench  # the store daemon under 10,000 idle connections
     .venv/bin/python -m benchmarks.load_bench       # a store hit's load into the paged cache vs memcpy
     .venv/bin/python -m benchmarks.router_bench     # one routing decision vs index size
+    .venv/bin/python -m benchmarks.router_report    # router_bench's median of N runs and its verdict
     .venv/bin/python -m benchmarks.engine_bench     # ModelRunner vs transformers
     .venv/bin/python -m benchmarks.attention_bench  # native decode kernel vs torch
     .venv/bin/python -m benchmarks.save_overlap_bench  # prefill with and without saving to the store

@@ -47,7 +47,8 @@ TARGET_SHM_VS_MEMCPY, TARGET_TCP_VS_GET = 2.0, 1.3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.load_bench",
+                                description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 124, 512],
                    help="batch sizes N to load (default: 16 124 512)")

@@ -130,16 +130,21 @@ def plot_cells(cells: list[dict], path: Path, peer: bool, block: int = 16, worke
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.router_report",
+                                 description=(__doc__ or "").split("\n")[0],
+                                 epilog="Arguments after -- go to every router_bench run.")
+    ap.add_argument("--runs", type=int, default=3, help="router_bench runs (default %(default)s)")
+    ap.add_argument("--save", type=Path, help="directory for each run's JSON line (runN.json)")
+    ap.add_argument("--from", dest="saved", type=Path, nargs="+", help="report these saved runs")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.router_report",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=3, help="router_bench runs (default %(default)s)")
-    ap.add_argument("--save", type=Path, help="directory for each run's JSON line (runN.json)")
-    ap.add_argument("--from", dest="saved", type=Path, nargs="+", help="report these saved runs")
-    args = ap.parse_args(own)
+    args = build_parser().parse_args(own)
     if args.saved:
         runs = [json.loads(p.read_text()) for p in args.saved]
     else:

@@ -29,8 +29,9 @@ def test_hosts_2_one_json_line_with_ratios_over_the_link(hosts, tmp_path):
     assert res["bench"] == "store_hosts" and res["hosts"] == 2 and res["tls"] is False
     link = res["link"]
     assert link["store_host"] != link["client_host"] and link["store_host"].startswith("10.77.")
-    # 16 MiB blocks go one at a time under a 2 MiB cap: batches 1 and 64 are one case
-    assert len(res["results"]) == 9 and len(res["ratios"]) == 9
+    # 5 sizes (4 KiB to 16 MiB) x batches 1 and 64 (or what fits the 2 MiB cap); 16 MiB
+    # blocks go one at a time under the cap, so its batches 1 and 64 are one case
+    assert len(res["results"]) == 11 and len(res["ratios"]) == 11
     for row in res["results"]:
         assert row["batch"] * row["block_bytes"] <= max(2 << 20, row["block_bytes"])
         for key in ("get_gbps", "put_gbps", "raw_get_gbps", "raw_put_gbps", "get_vs_raw",
