@@ -96,6 +96,7 @@ class WorkerPool:
         self._source = source
         self._rates = rates or RateConfig()
         self._poll_interval = poll_interval
+        self._closing = False
         self._client_timeout = client_timeout
         self._headers = dict(headers or {})     # on every worker call: the cluster secret
         self._workers: dict[str, WorkerHandle] = {}
@@ -135,9 +136,17 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop watching, cancel every event task, close every client. Idempotent."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Ask the loop to end at its next wake-up rather than cancel it: a cancellation that
+            # lands while wait_for is cancelling its own timed-out wait can be lost (Python
+            # 3.11), which left close() waiting for as long as 30 s.
+            self._closing = True
+            if self._wake is not None:
+                self._wake.set()
+            done, _ = await asyncio.wait([self._task], timeout=5.0)
+            if not done:  # a sync stuck on something: cancel it after all
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         for wid in list(self._workers):
             await self._drop(wid)
@@ -209,10 +218,12 @@ class WorkerPool:
 
     async def _run(self) -> None:
         assert self._wake is not None
-        while True:
+        while not self._closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_interval)
             self._wake.clear()
+            if self._closing:
+                return
             try:
                 await self._sync()
             except Exception:  # never let one bad sync stop discovery
@@ -267,7 +278,9 @@ class WorkerPool:
         if handle is None:
             return
         handle.events_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await handle.events_task
+        # asyncio.wait, not ``await task`` under suppress(CancelledError): that would also
+        # swallow a cancellation of the task running this (close() cancelling a sync), which
+        # then ran on until its next wake-up.
+        await asyncio.wait([handle.events_task])
         self.index.remove_worker(worker_id)
         await handle.client.aclose()
