@@ -164,3 +164,15 @@ def etcd_server(tmp_path: Path) -> Iterator[Callable[[], EtcdServer]]:
 def unique_prefix() -> str:
     """A key prefix no other test uses, e.g. ``/t-1a2b3c4d``."""
     return f"/t-{uuid.uuid4().hex[:8]}"
+
+
+def require_native(available: bool, what: str, why: str | None = None) -> None:
+    """Skip a test of a native kernel only where no C compiler exists; where one does, a
+    kernel that did not build is a failure (a broken build must not hide behind a skip)."""
+    if available:
+        return
+    import shutil
+
+    if os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"):
+        pytest.fail(f"{what} did not build although a C compiler is installed: {why}")
+    pytest.skip(f"no C compiler: {what} cannot be built")

@@ -1,8 +1,8 @@
 """Build a C source into a shared library on first use, cached by content; load it with ctypes.
 
 ``build_library(source, ...)`` compiles ``source`` with ``$CC`` (else ``cc``/``gcc``) into
-``native_home()/<digest>/<stem>.so``, the digest covering the source, the flags, the compiler's
-version and the CPU (``-march=native`` code never runs on a different CPU sharing the cache),
+``native_home()/<digest>/<stem>.so``, the digest covering the source (and the local headers
+it includes, ``#include "x.h"`` beside it), the flags, the compiler's version and the CPU (``-march=native`` code never runs on a different CPU sharing the cache),
 publishes it atomically (concurrent builders each write a whole library) and loads it.
 Nothing is built at import time. ``Library`` memoizes one attempt per process: ``get()`` is the
 loaded library or None, with ``why`` saying what failed (logged once).
@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -77,8 +78,10 @@ def build_library(source: Path, *, cflags: Sequence[str] = CFLAGS,
             raise RuntimeError(f"no Python.h in {include} (install the interpreter's headers)")
         cflags = [*cflags, f"-I{include}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    text = source.read_text()
+    headers = [(source.parent / h).read_text() for h in re.findall(r'^#include "([^"]+)"', text, re.M)]
     digest = hashlib.sha256("\0".join([
-        source.read_text(), " ".join([*cflags, *ldflags]), version, _cpu_tag(), platform.machine(),
+        text, *headers, " ".join([*cflags, *ldflags]), version, _cpu_tag(), platform.machine(),
         sys.version if python_api else "",
     ]).encode()).hexdigest()[:16]
     path = native_home() / digest / f"{source.stem}.so"

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.native.blocks import LIBRARY
+from tests.conftest import require_native
+
 from kvstore import codec
 from kvstore.errors import StoreUnavailable
 from kvstore.net.buffers import Sink
@@ -87,9 +90,10 @@ def load_path(request, monkeypatch):
 
     if request.param == "python":
         monkeypatch.setattr(connector_module, "scatter_kernel", lambda cache: None)
-    elif connector_module.scatter_kernel(make_cache()) is None:
-        pytest.skip("no C compiler: the native scatter kernel cannot be built")
-    elif request.param == "staged":
+        return request.param
+    require_native(connector_module.scatter_kernel(make_cache()) is not None,
+                   "the scatter kernel", LIBRARY.why)
+    if request.param == "staged":
         monkeypatch.setattr(connector_module, "direct", lambda cache: False)
     return request.param
 
@@ -323,8 +327,7 @@ def test_staging_pool_keeps_at_most_keep_per_size_buffers():
 def test_threaded_scatter_loads_the_leading_run_and_writes_nothing_of_a_bad_block(keys, threads):
     from engine.kv.scatter import scatter_kernel
 
-    if scatter_kernel(make_cache()) is None:
-        pytest.skip("no C compiler: the native scatter kernel cannot be built")
+    require_native(scatter_kernel(make_cache()) is not None, "the scatter kernel", LIBRARY.why)
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     saver = KVStoreConnector(store, src)

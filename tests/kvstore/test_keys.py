@@ -99,8 +99,10 @@ def key_path(request, monkeypatch):
 
     if request.param == "native":
         fn = block_keys_fn()
-        if fn is None:
-            pytest.skip("no C compiler or Python headers: the native key path cannot be built")
+        from kvstore.native.keys import LIBRARY
+        from tests.conftest import require_native
+
+        require_native(fn is not None, "the native key path", LIBRARY.why)
         monkeypatch.setattr(keys_module, "_native", [fn])
     else:
         monkeypatch.setattr(keys_module, "_native", [None])

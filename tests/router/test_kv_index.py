@@ -25,8 +25,9 @@ KEYS = _keys(PROMPT)
 
 
 def _native_or_skip() -> None:
-    if table_type() is None:
-        pytest.skip(f"the native index table cannot be built here: {native_status()}")
+    from tests.conftest import require_native
+
+    require_native(table_type() is not None, "the native index table", native_status())
 
 
 @pytest.fixture(params=["native", "python"])
