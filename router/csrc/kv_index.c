@@ -160,10 +160,20 @@ static int parse_bit(PyObject *o, uint64_t *bit) {
     return 0;
 }
 
-static PyObject *Table_add(Table *t, PyObject *const *args, Py_ssize_t nargs) {
+/* drop_bit: clear ``bit`` in ``key``'s mask, deleting the entry when no worker is left. */
+static int drop_bit(Table *t, uint64_t k0, uint64_t k1, uint64_t bit) {
+    Entry *e = find(t, k0, k1);
+    if (e && !(e->mask &= ~bit))
+        delete_at(t, (size_t)(e - t->slots));
+    return 0;
+}
+
+/* Parse ``(keys, bit)`` and apply ``op`` to every key; NULL with an exception set on failure. */
+static PyObject *each_key(Table *t, PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                          int (*op)(Table *, uint64_t, uint64_t, uint64_t)) {
     uint64_t bit, k0, k1;
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add(keys, bit)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     if (parse_bit(args[1], &bit) < 0)
@@ -182,7 +192,7 @@ static PyObject *Table_add(Table *t, PyObject *const *args, Py_ssize_t nargs) {
             Py_DECREF(seq);
             return bad_key(i);
         }
-        if (insert_or(t, k0, k1, bit) < 0) {
+        if (op(t, k0, k1, bit) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -191,29 +201,15 @@ static PyObject *Table_add(Table *t, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Table_add(Table *t, PyObject *const *args, Py_ssize_t nargs) {
+    return each_key(t, args, nargs, "add(keys, bit)", insert_or);
+}
+
 static PyObject *Table_drop(Table *t, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t bit, k0, k1;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "drop(keys, bit)");
+    PyObject *done = each_key(t, args, nargs, "drop(keys, bit)", drop_bit);
+    if (!done)
         return NULL;
-    }
-    if (parse_bit(args[1], &bit) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "keys must be iterable");
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!key_of(items[i], &k0, &k1)) {
-            Py_DECREF(seq);
-            return bad_key(i);
-        }
-        Entry *e = find(t, k0, k1);
-        if (e && !(e->mask &= ~bit))
-            delete_at(t, (size_t)(e - t->slots));
-    }
-    Py_DECREF(seq);
+    Py_DECREF(done);
     if (t->cap > MIN_CAP && 8 * t->used < t->cap) {   /* under 1/8 full: back to 1/8-1/4 */
         size_t cap = t->cap;
         while (cap > MIN_CAP && 8 * t->used < cap)
