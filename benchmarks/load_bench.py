@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             saver.close()
         if res.saved_blocks != n_max:
             raise SystemExit(f"saved {res.saved_blocks} of {n_max} blocks: {res}")
-        kernel = "native" if scatter_kernel(_SRC) is not None else "staged (no kernel)"
+        kernel = "native" if scatter_kernel() is not None else "staged (no kernel)"
         rows: list[dict] = []
         cells = len(args.transports) * len(args.threads) * len(args.blocks) * args.rounds
         with tqdm(total=cells, desc="load_bench", file=sys.stderr) as bar:

@@ -171,7 +171,7 @@ class KVStoreConnector:
                                        keep_per_size=1)
         # A contiguous CPU cache loads through sinks that verify and scatter in one pass
         # (engine.kv.scatter); CUDA caches and machines without the kernel take the staged path.
-        self._scatter = scatter_kernel(kv_cache)
+        self._scatter = scatter_kernel()
         self._direct = direct(kv_cache) if load_path == "auto" else load_path == "direct"
         if load_path == "python":
             self._scatter = None

@@ -54,10 +54,9 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def scatter_kernel(kv_cache: torch.Tensor) -> Callable[..., int] | None:
-    """The kernel (None when it cannot be built); ``direct(kv_cache)`` says whether it writes
-    the cache's slots itself or a staging ring."""
-    del kv_cache  # any cache: straight into a CPU cache's slots, else through the ring
+def scatter_kernel() -> Callable[..., int] | None:
+    """The kernel (None when it cannot be built). It serves any cache: ``direct(kv_cache)`` says
+    whether it writes the cache's slots itself or a staging ring."""
     return native_blocks.verify_scatter()
 
 

@@ -89,9 +89,9 @@ def load_path(request, monkeypatch):
     import engine.kv.connector as connector_module
 
     if request.param == "python":
-        monkeypatch.setattr(connector_module, "scatter_kernel", lambda cache: None)
+        monkeypatch.setattr(connector_module, "scatter_kernel", lambda: None)
         return request.param
-    require_native(connector_module.scatter_kernel(make_cache()) is not None,
+    require_native(connector_module.scatter_kernel() is not None,
                    "the scatter kernel", LIBRARY.why)
     if request.param == "staged":
         monkeypatch.setattr(connector_module, "direct", lambda cache: False)
@@ -327,7 +327,7 @@ def test_staging_pool_keeps_at_most_keep_per_size_buffers():
 def test_threaded_scatter_loads_the_leading_run_and_writes_nothing_of_a_bad_block(keys, threads):
     from engine.kv.scatter import scatter_kernel
 
-    require_native(scatter_kernel(make_cache()) is not None, "the scatter kernel", LIBRARY.why)
+    require_native(scatter_kernel() is not None, "the scatter kernel", LIBRARY.why)
     store = DictStore()
     src, dst = make_cache(seed=0), make_cache(seed=1)
     saver = KVStoreConnector(store, src)

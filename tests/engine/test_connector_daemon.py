@@ -28,7 +28,7 @@ def _cache(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_loads_from_a_real_daemon_verify_where_the_blocks_lie(shared_daemon, transport, threads):
-    require_native(scatter_kernel(_cache(0)) is not None, "the scatter kernel", LIBRARY.why)
+    require_native(scatter_kernel() is not None, "the scatter kernel", LIBRARY.why)
     daemon = shared_daemon
     keys = block_keys(namespace_id({"t": "scatter", "case": [transport, threads]}), list(range(10 * BS)), BS)
     src, dst = _cache(threads + 10 * (transport == "tcp")), _cache(100)
@@ -67,7 +67,7 @@ def test_loads_from_a_real_daemon_verify_where_the_blocks_lie(shared_daemon, tra
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_staged_load_sends_verified_groups_and_stops_at_a_bad_block(shared_daemon, transport):
     """CUDA's path, run on a CPU cache: verified rows of a pinned ring go on in groups of 16."""
-    require_native(scatter_kernel(_cache(0)) is not None, "the scatter kernel", LIBRARY.why)
+    require_native(scatter_kernel() is not None, "the scatter kernel", LIBRARY.why)
     keys = block_keys(namespace_id({"t": "staged", "tr": transport}), list(range(20 * BS)), BS)
     src = torch.randn((L, 2, 20, BS, H, D), generator=torch.Generator().manual_seed(3))
     dst = torch.zeros((L, 2, 40, BS, H, D))
