@@ -8,7 +8,7 @@ Usage::
     ns = namespace_id({"model": "my-model", "dtype": "float32", "block_size": 16})
     keys = block_keys(ns, token_ids, block_size=16)
     with kvstore.connect("127.0.0.1:7700") as store:      # or connect(etcd=..., cluster=...)
-        store.put(keys, values)                            # batch-first
+        held = store.put(keys, values)                     # batch-first, per-key results
         found = store.get(keys, buffers)                   # into caller-provided buffers
         n = store.prefix_len(keys)                         # longest stored prefix
 

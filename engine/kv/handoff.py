@@ -166,9 +166,10 @@ class Placer:
         for owner, ks in lacking.items():
             have = [k for k in ks if k in values]
             client = source_client(self.directory, owner)
+            kept = 0
             if have and client is not None:
-                client.put(have, [values[k] for k in have])
-            placed, dropped = placed + len(have), dropped + len(ks) - len(have)
+                kept = sum(client.put(have, [values[k] for k in have]))
+            placed, dropped = placed + kept, dropped + len(ks) - kept
         with self._lock:
             self.stats.placed_blocks += placed
             self.stats.dropped_blocks += dropped

@@ -31,7 +31,7 @@ from engine.kv.handoff import NodeDirectory, Placer, source_client
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StoreFull
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
@@ -197,8 +197,8 @@ class Saver:
                         values.append(row)
                         sent[-1] += 1
                     pos += 1
-            if keys:
-                client.put(keys, values)
+            if keys and not all(held := client.put(keys, values)):
+                raise StoreFull(f"the store kept {sum(held)} of {len(keys)} blocks")
         except KVStoreError as exc:
             if node is not None:
                 log.info("handoff put to node %s failed (%s); putting to the owners", node, exc)

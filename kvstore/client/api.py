@@ -4,9 +4,10 @@
 (every node registered in etcd, ``kvstore.client.cluster``) both are, and all a caller such
 as the engine's connector may count on:
 
-- ``put(keys, values)``: batch-first; present keys are a successful no-op; ``StoreFull`` when
-  the batch cannot fit. (It returns nothing yet: per-key put results are planned, and will
-  come as a return value of this one call, not as a second method.)
+- ``put(keys, values) -> list[bool]``: batch-first; per key, whether it was stored (present
+  keys are a successful no-op). A store that cannot fit the whole batch
+  stores its longest leading run that fits and answers False for the rest: a full store fails
+  the keys that did not fit, never the batch, and never raises for it.
 - ``get(keys, buffers) -> list[bool]``: copy each present block into its caller-provided
   buffer (bytes-like, NumPy, torch tensors); ``get_bytes(keys)`` returns copies instead.
 - ``contains(keys)``, ``prefix_len(keys)``: lookups that never touch recency.
@@ -39,7 +40,7 @@ __all__ = ["StoreClient", "connect"]
 class StoreClient(Protocol):
     """The batch API shared by ``Client`` and ``ClusterClient`` (module docstring)."""
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None: ...
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[bool]: ...
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]: ...
 

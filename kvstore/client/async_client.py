@@ -50,7 +50,7 @@ class AsyncClient:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
-    async def put(self, keys, values) -> None:
+    async def put(self, keys, values) -> list[bool]:
         return await self._run("put", keys, values)
 
     async def get(self, keys, buffers) -> list[bool]:

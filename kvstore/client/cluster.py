@@ -26,7 +26,8 @@ to different nodes run concurrently, results come back in the caller's order):
   ``stats()["read_repair"]`` has the counts.
 - ``delete`` removes each key from its targets and from every draining node, and returns the
   number of copies removed (= blocks removed while R is 1).
-- ``StoreFull`` from one node is raised after every other node's share was written.
+- ``put`` answers per key (``Client.put``): True when at least one target holds the key; a
+  full node fails its own keys and no one else's.
 
 For callers that talk to one node themselves (e.g. a prefill->decode handoff):
 ``node_client(node_id)`` is the pooled per-node ``Client`` of a registered node, and
@@ -50,7 +51,7 @@ from typing import Any, TypeVar
 
 from kvstore.client.node import Client
 from kvstore.client.read_repair import ReadRepair, RepairItem
-from kvstore.errors import StoreFull, StoreUnavailable
+from kvstore.errors import StoreUnavailable
 from kvstore.coord import layout, settings
 from kvstore.coord.etcd import EtcdClient, client_for
 from kvstore.coord.membership import Membership, MembershipChange
@@ -266,7 +267,7 @@ class ClusterClient:
         def one(node: str) -> T | BaseException:
             try:
                 return call(self._client(node), groups[node])
-            except (StoreUnavailable, StoreFull) as exc:
+            except StoreUnavailable as exc:
                 return exc
 
         if len(groups) == 1:
@@ -375,16 +376,15 @@ class ClusterClient:
     # -- writes ---------------------------------------------------------------------------
 
     def _write(self, keys: Sequence[bytes], call: Callable[[Client, list[int]], T],
-               draining_too: bool = False) -> list[T]:
+               draining_too: bool = False) -> list[tuple[list[int], T]]:
         """Run ``call`` on each key's targets (and on draining nodes if ``draining_too``);
-        returns the per-node results."""
+        returns each node's result beside the key indices it was called with."""
         if not keys:
             return []
         view, skip = self._snapshot()
         written: list[set[str]] = [set() for _ in keys]
         pending = list(range(len(keys)))
-        results: list[T] = []
-        full: StoreFull | None = None
+        results: list[tuple[list[int], T]] = []
         extra = sorted(view.draining) if draining_too else []
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
@@ -401,37 +401,39 @@ class ClusterClient:
             pending = []
             for node, result in self._fan_out(groups, call).items():
                 idxs = groups[node]
-                if isinstance(result, StoreFull):
-                    full = full or result
-                elif isinstance(result, BaseException):
+                if isinstance(result, BaseException):
                     skip.add(node)
                     self._mark_down(node)
                     pending += idxs
                 else:
                     self._mark_up(node)
-                    results.append(result)
+                    results.append((idxs, result))
                     for i in idxs:
                         written[i].add(node)
             pending = sorted(set(pending))
-        if not results and full is None:
+        if not results:
             raise StoreUnavailable(
                 f"no store node of cluster {self.cluster!r} answered "
                 f"(tried {sorted(skip)}); check that the daemons are running"
             )
-        if full is not None:
-            raise full
         return results
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
-        """Store ``values[i]`` under ``keys[i]`` on its targets."""
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[bool]:
+        """Store ``values[i]`` under ``keys[i]`` on its targets; per key, whether at least
+        one target holds it (``Client.put``)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        self._write(keys, lambda c, idxs: c.put([keys[i] for i in idxs], [values[i] for i in idxs]))
+        held = [False] * len(keys)
+        for idxs, flags in self._write(
+                keys, lambda c, idxs: c.put([keys[i] for i in idxs], [values[i] for i in idxs])):
+            for i, ok in zip(idxs, flags):
+                held[i] = held[i] or ok
+        return held
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete blocks from their targets and from draining nodes; returns the copies removed."""
-        return sum(self._write(keys, lambda c, idxs: c.delete([keys[i] for i in idxs]),
-                               draining_too=True))
+        return sum(n for _, n in self._write(keys, lambda c, idxs: c.delete([keys[i] for i in idxs]),
+                                             draining_too=True))
 
     # -- admin ----------------------------------------------------------------------------
 

@@ -150,20 +150,42 @@ class Client:
         """Blocks the daemon's shared-memory index served with no request (across reconnects)."""
         return self._traffic.index_hits
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
-        """Store ``values[i]`` under ``keys[i]``. Present keys are a successful no-op.
-        Raises ``StoreFull`` if the batch cannot fit (nothing of that batch is stored)."""
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[bool]:
+        """Store ``values[i]`` under ``keys[i]``; per key, whether it was stored (now, or
+        already present: a successful no-op; a cache may evict it later). A store too full for
+        the whole batch stores its longest leading run that fits and answers False from the
+        first key that did not fit on (a KV block is worth keeping only with its prefix);
+        nothing of a part that failed is left behind."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         srcs = [source_bytes(v) for v in values]
         with self._lock:
             max_bytes = int(self._connection().hello.get("max_data", P.MAX_DATA))
+        held = [False] * len(keys)
         for sl in _byte_chunks([s.nbytes for s in srcs], max_bytes):
+            n = self._put_leading(keys, srcs, sl.start, sl.stop)
+            held[sl.start:sl.start + n] = [True] * n
+            if n < sl.stop - sl.start:
+                break
+        return held
+
+    def _put_leading(self, keys: Sequence[bytes], srcs: list[np.ndarray], lo: int, hi: int) -> int:
+        """Put ``keys[lo:hi]`` (one request, stored or not as a whole); when the store is
+        full, the longest leading run that fits, found by halving (log2 requests). Returns
+        how many leading keys are stored."""
+        try:
             with self._request() as conn:
                 if conn.arena is not None:
-                    shm_path.put(conn, keys[sl], srcs[sl])
+                    shm_path.put(conn, keys[lo:hi], srcs[lo:hi])
                 else:
-                    self._put_tcp(conn, keys[sl], srcs[sl])
+                    self._put_tcp(conn, keys[lo:hi], srcs[lo:hi])
+            return hi - lo
+        except StoreFull:
+            if hi - lo == 1:
+                return 0
+        mid = (lo + hi) // 2
+        n = self._put_leading(keys, srcs, lo, mid)
+        return n if n < mid - lo else n + self._put_leading(keys, srcs, mid, hi)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
         """Copy each present block into its buffer; return which keys were found."""

@@ -309,8 +309,10 @@ def _bench(args: argparse.Namespace) -> int:
         for i in range(args.iters):
             keys = [rng.bytes(16) for _ in range(batch)]
             t0 = time.perf_counter()
-            c.put(keys, values)
+            held = c.put(keys, values)
             t1 = time.perf_counter()
+            if not all(held):
+                print(f"warning: the store kept {sum(held)} of {batch} blocks (full)", file=sys.stderr)
             found = c.get(keys, bufs)
             t2 = time.perf_counter()
             c.delete(keys)

@@ -243,7 +243,9 @@ class Repairer:
                 client = self.cluster.node_client(target)
                 if client is None:
                     raise KVStoreError(f"{target} left the cluster")
-                client.put([k for k, _ in part], [v for _, v in part])
+                held = client.put([k for k, _ in part], [v for _, v in part])
+                if not all(held):
+                    raise KVStoreError(f"{target} is full: it kept {sum(held)} of {len(part)}")
             except KVStoreError as exc:
                 log.warning("re-replication to %s failed for %d blocks: %s", target, len(part), exc)
                 result.failed += len(part)

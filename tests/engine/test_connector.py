@@ -40,12 +40,13 @@ class DictStore:
         if self.down:
             raise StoreUnavailable("test store is down")
 
-    def put(self, keys, values) -> None:
+    def put(self, keys, values) -> list[bool]:
         self._check()
         with self.lock:
             self.puts += 1
             for k, v in zip(keys, values, strict=True):
                 self.data[bytes(k)] = bytes(memoryview(v).cast("B"))
+        return [True] * len(keys)
 
     def get(self, keys, buffers) -> list[bool]:
         self._check()

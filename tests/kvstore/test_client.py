@@ -13,6 +13,7 @@ import torch
 import kvstore
 from kvstore import AsyncClient, Client, StoreFull, StoreUnavailable
 from kvstore.keys import BlockKey
+from kvstore.net import protocol as P
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)
@@ -82,15 +83,37 @@ def test_buffer_errors_are_clear_and_keep_the_client_usable(client):
     assert client.delete(keys) == 1
 
 
-def test_store_full_leaves_nothing_behind(client):
+def test_store_full_fails_the_keys_that_did_not_fit_and_leaves_nothing_of_them(client):
     before = client.stats()["store"]["host"]
     keys = rand_keys(3)
-    with pytest.raises(StoreFull):
-        client.put(keys, [np.zeros(40 << 20, np.uint8)] * 3)  # 120 MiB into a 64 MiB arena
+    big = np.zeros(80 << 20, np.uint8)  # larger than the 64 MiB arena
+    assert client.put(keys, [big] * 3) == [False] * 3
     after = client.stats()["store"]["host"]
     assert client.contains(keys) == [False] * 3
     assert after["allocated_bytes"] == before["allocated_bytes"]
-    assert client.get_bytes(keys[:1]) == [None]  # the connection still serves
+    keys = rand_keys(3)  # the leading run that fits is stored; from the first misfit on, none
+    assert client.put(keys, [b"a" * 1000, big, b"c" * 1000]) == [True, False, False]
+    assert client.contains(keys) == [True, False, False]
+    assert client.put(keys[:1], [b"a" * 1000]) == [True]  # present: a successful no-op
+    assert client.get_bytes(keys[:1]) == [b"a" * 1000]  # the connection still serves
+
+
+def test_a_part_that_cannot_fit_stores_its_leading_run(start_daemon):
+    """Reservations of other connections hold 14 of the arena's 16 MiB (never evictable): a
+    put of 0.4 + 0.4 + 2.5 MiB, one request, does not fit as a whole, nor does its last block
+    alone; the two before it do."""
+    d = start_daemon(memory="16M")
+    with Client(d.address) as c0, Client(d.address) as c1, Client(d.address) as c2, \
+            Client(d.address) as c3, Client(d.address) as c:
+        assert c.transport == "shm"
+        for holder, size in ((c0, 4 << 20), (c1, 4 << 20), (c2, 4 << 20), (c3, 2 << 20)):
+            holder._connection().exchange(P.Op.RESERVE, P.pack_keys_sizes(rand_keys(1), [size]),
+                                          expect=8)
+        keys = rand_keys(3)
+        sizes = [400 << 10, 400 << 10, 2560 << 10]
+        assert c.put(keys, [np.full(n, i, np.uint8) for i, n in enumerate(sizes)]) == [True, True, False]
+        assert c.contains(keys[2:]) == [False]
+        assert c.stats()["store"]["host"]["allocated_bytes"] <= 15 << 20  # nothing of it held
 
 
 def test_shm_path_sends_no_kv_bytes_over_the_socket(shared_daemon):
