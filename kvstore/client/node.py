@@ -57,7 +57,7 @@ import numpy as np
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
 from kvstore.client import shm_path
-from kvstore.net.buffers import Dest, source_bytes
+from kvstore.net.buffers import Dest, source_parts
 from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
@@ -158,18 +158,19 @@ class Client:
         nothing of a part that failed is left behind."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        srcs = [source_bytes(v) for v in values]
+        srcs = [source_parts(v) for v in values]
         with self._lock:
             max_bytes = int(self._connection().hello.get("max_data", P.MAX_DATA))
         held = [False] * len(keys)
-        for sl in _byte_chunks([s.nbytes for s in srcs], max_bytes):
+        for sl in _byte_chunks([sum(p.nbytes for p in ps) for ps in srcs], max_bytes):
             n = self._put_leading(keys, srcs, sl.start, sl.stop)
             held[sl.start:sl.start + n] = [True] * n
             if n < sl.stop - sl.start:
                 break
         return held
 
-    def _put_leading(self, keys: Sequence[bytes], srcs: list[np.ndarray], lo: int, hi: int) -> int:
+    def _put_leading(self, keys: Sequence[bytes], srcs: list[list[np.ndarray]], lo: int,
+                     hi: int) -> int:
         """Put ``keys[lo:hi]`` (one request, stored or not as a whole); when the store is
         full, the longest leading run that fits, found by halving (log2 requests). Returns
         how many leading keys are stored."""
@@ -280,13 +281,14 @@ class Client:
             _, meta = conn.exchange(op, P.pack_keys(keys), expect=4)
         return P._U32.unpack(meta)[0]
 
-    def _put_tcp(self, conn: Connection, keys, srcs: list[np.ndarray]) -> None:
-        sizes = [s.nbytes for s in srcs]
+    def _put_tcp(self, conn: Connection, keys, srcs: list[list[np.ndarray]]) -> None:
+        sizes = [sum(p.nbytes for p in ps) for ps in srcs]
         total = sum(sizes)
         if total > conn.hello["max_data"]:
             raise StoreFull(f"a put of {total} bytes exceeds the node's {conn.hello['max_data']}"
                             "-byte arena; put fewer blocks at once or raise its --memory")
-        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), srcs, expect=len(keys))
+        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), [p for ps in srcs for p in ps],
+                      expect=len(keys))
 
     def _get_one_tcp(self, conn: Connection, key: bytes, d: Dest) -> bool:
         """One block: its answer's header, size and first bytes in one ``recv``, straight

@@ -43,18 +43,20 @@ def pinned(conn: Connection, keys) -> Iterator[tuple[list[int], list[int]]]:
             conn.send_oneway(P.Op.UNPIN, P.pack_keys(held))
 
 
-def put(conn: Connection, keys, srcs: list[np.ndarray]) -> None:
-    """RESERVE, copy into the arena, COMMIT (ABORT if the copy fails)."""
-    _, meta = conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(keys, [s.nbytes for s in srcs]),
-                            expect=8 * len(keys))
+def put(conn: Connection, keys, srcs: list[list[np.ndarray]]) -> None:
+    """RESERVE, copy each value's parts into the arena, COMMIT (ABORT if a copy fails)."""
+    sizes = [sum(p.nbytes for p in ps) for ps in srcs]
+    _, meta = conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(keys, sizes), expect=8 * len(keys))
     offsets = np.frombuffer(meta, "<u8").tolist()
     mine = [k for k, off in zip(keys, offsets) if off != P.MISSING]
     arena = conn.arena_np
     assert arena is not None, "the shared-memory path runs on a mapped connection only"
     try:
-        for src, off in zip(srcs, offsets):
+        for parts, off in zip(srcs, offsets):
             if off != P.MISSING:
-                np.copyto(arena[off: off + src.nbytes], src)
+                for src in parts:
+                    np.copyto(arena[off: off + src.nbytes], src)
+                    off += src.nbytes
     except BaseException:
         if mine:
             conn.exchange(P.Op.ABORT, P.pack_keys(mine), expect=0)

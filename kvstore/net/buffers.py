@@ -9,6 +9,10 @@ not get it through the store client): a value can only be a tensor if torch is a
 loaded, so a tensor is ``isinstance(value, sys.modules["torch"].Tensor)``, and the torch
 functions the adapters need are reached through the tensor's own module.
 
+A value to put may also be ``Parts(a, b, ...)``: several buffers stored as one block, their
+bytes concatenated, with no copy to join them first (a header beside a payload that lives
+elsewhere, as the LMCache plugin stores LMCache's own memory).
+
 A get's buffer must be C-contiguous, writable and at least as large as the block; the block
 fills its head. Every adapter yields a flat ``np.uint8`` array, which is what the data paths
 copy to and from (``np.copyto`` from the mapped arena, ``recv_into`` from a socket).
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["source_bytes", "Dest", "Sink"]
+__all__ = ["source_bytes", "source_parts", "Parts", "Dest", "Sink"]
 
 
 def _torch_of(value: object) -> ModuleType | None:
@@ -51,6 +55,22 @@ def source_bytes(value: Any) -> np.ndarray:
     except TypeError:
         raise ValueError(f"cannot put a {type(value).__name__}: pass bytes-like, a NumPy array "
                          "or a torch tensor (C-contiguous)") from None
+
+
+class Parts(tuple):
+    """A value to put made of several buffers, stored as one block (their concatenation)."""
+
+    __slots__ = ()
+
+    def __new__(cls, *parts: Any) -> "Parts":
+        return super().__new__(cls, parts)
+
+
+def source_parts(value: Any) -> list[np.ndarray]:
+    """``source_bytes`` of each part of a ``Parts`` value, or of the one value."""
+    if isinstance(value, Parts):
+        return [source_bytes(p) for p in value]
+    return [source_bytes(value)]
 
 
 class Sink:

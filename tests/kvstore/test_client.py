@@ -14,6 +14,7 @@ import kvstore
 from kvstore import AsyncClient, Client, StoreFull, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
+from kvstore.net.buffers import Parts
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)
@@ -96,6 +97,14 @@ def test_store_full_fails_the_keys_that_did_not_fit_and_leaves_nothing_of_them(c
     assert client.contains(keys) == [True, False, False]
     assert client.put(keys[:1], [b"a" * 1000]) == [True]  # present: a successful no-op
     assert client.get_bytes(keys[:1]) == [b"a" * 1000]  # the connection still serves
+
+
+def test_a_value_of_parts_is_stored_as_their_concatenation(client):
+    head, body = np.arange(64, dtype=np.uint8), torch.arange(1000, dtype=torch.float32)
+    keys = rand_keys(2)
+    assert client.put(keys, [Parts(head, body), Parts(b"x")]) == [True, True]
+    want = head.tobytes() + body.numpy().tobytes()
+    assert client.get_bytes(keys) == [want, b"x"]
 
 
 def test_a_part_that_cannot_fit_stores_its_leading_run(start_daemon):
