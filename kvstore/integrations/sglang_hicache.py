@@ -268,6 +268,15 @@ class KVStoreHiCache(HiCacheStorage):
 
     # --- the rest of the interface -----------------------------------------------------------
 
+    @property
+    def transport(self) -> str | None:
+        """The one daemon's path, ``"shm"`` or ``"tcp"`` (None for a cluster, or while the store
+        cannot be reached): for logs and tests."""
+        try:
+            return getattr(self._store.get(), "transport", None)
+        except KVStoreError:
+            return None
+
     def clear(self) -> None:
         """A no-op: the store is shared with other engines and evicts by itself."""
 

@@ -134,6 +134,7 @@ def load(name: str, extra_config: dict, tp_rank: int = 0, tp_size: int = 1, mla:
     cls = type(backend)
     return {"class": f"{cls.__module__}.{cls.__qualname__}",
             "is_hicache_storage": isinstance(backend, HiCacheStorage),
+            "transport": backend.transport,
             "block_bytes": pool.get_page_buffer_meta(_indices(pool, [0]))[1]}
 
 
