@@ -192,16 +192,16 @@ class KVStoreHiCache(HiCacheStorage):
         pool = mem_pool_host
         self._ns = bytes(namespace_id(namespace_facts(self.storage_config, pool, self.namespace)))
         self._buffers = []
-        get_buffers = getattr(pool, "get_hybrid_pool_buffer", None)
-        tensors = get_buffers() if get_buffers is not None else [getattr(pool, "kv_buffer", None)]
         torch = sys.modules.get("torch")
-        for t in tensors:
-            if t is None or torch is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        for t in _pool_tensors(pool):
+            if torch is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
                 continue
             if t.device.type != "cpu" or not t.is_contiguous():
                 continue  # not host memory we can view: its pages fail (logged on use)
-            flat = t.detach().reshape(-1).view(torch.uint8).numpy()
             start = int(t.data_ptr())
+            if any(b[0] == start and b[1] == start + t.nbytes for b in self._buffers):
+                continue
+            flat = t.detach().reshape(-1).view(torch.uint8).numpy()
             self._buffers.append((start, start + flat.nbytes, flat, t))
         self._buffers.sort(key=lambda b: b[0])
         self._parts = 0
@@ -348,6 +348,16 @@ class KVStoreHiCache(HiCacheStorage):
         except Exception:
             logger.exception("kvstore HiCache: %s of %d blocks failed", op, len(args[0]))
         return failed
+
+
+def _pool_tensors(pool: Any) -> list[Any]:
+    """The host pool's tensors that page buffers lie in: what SGLang registers for zero-copy
+    I/O (``get_hybrid_pool_buffer()``) and the pool's named buffers."""
+    get_buffers = getattr(pool, "get_hybrid_pool_buffer", None)
+    tensors = list(get_buffers()) if get_buffers is not None else []
+    for name in ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer"):
+        tensors.append(getattr(pool, name, None))
+    return [t for t in tensors if t is not None]
 
 
 def _flatten(items: Sequence[Any]) -> list[Any]:

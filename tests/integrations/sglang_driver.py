@@ -37,10 +37,24 @@ IMPORT_S = time.monotonic() - t0
 torch.set_num_threads(1)
 
 
-class MHAPool:
-    """SGLang's MHATokenToKVPoolHost, page_first: kv_buffer (2, size, layers, heads, dim)."""
+class PagePool:
+    """What both pools share: page_first, one page = ``page_size`` consecutive tokens."""
 
     layout = "page_first"
+    page_size: int
+    dtype: torch.dtype
+    kv_buffer: torch.Tensor
+
+    def page(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.page(index)
+        return page.flatten() if flat else page
+
+
+class MHAPool(PagePool):
+    """SGLang's MHATokenToKVPoolHost, page_first: kv_buffer (2, size, layers, heads, dim)."""
 
     def __init__(self, size: int, page_size: int, layer_num: int, head_num: int, head_dim: int,
                  dtype: torch.dtype) -> None:
@@ -62,12 +76,19 @@ class MHAPool:
         element = self.layer_num * item * self.page_size * self.head_num * self.head_dim
         return ptr_list, [element] * len(ptr_list)
 
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[0]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[1]
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        return [self.k_buffer, self.v_buffer]
+
     def page(self, index: int) -> torch.Tensor:
         return self.kv_buffer[:, index:index + self.page_size]
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self.page(index)
-        return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
@@ -78,7 +99,7 @@ class MHAPool:
             2, self.page_size, self.layer_num, self.head_num, self.head_dim)
 
 
-class MLAPool(MHAPool):
+class MLAPool(PagePool):
     """SGLang's MLATokenToKVPoolHost, page_first: kv_buffer (size, layers, 1, kv_cache_dim)."""
 
     def __init__(self, size: int, page_size: int, layer_num: int, head_num: int, head_dim: int,
@@ -107,14 +128,14 @@ class MLAPool(MHAPool):
             self.page_size, self.layer_num, 1, self.kv_cache_dim)
 
 
-backends: dict[str, tuple[Any, MHAPool]] = {}
+backends: dict[str, tuple[Any, PagePool]] = {}
 
 
-def _indices(pool: MHAPool, pages: list[int]) -> torch.Tensor:
+def _indices(pool: PagePool, pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * pool.page_size, (p + 1) * pool.page_size) for p in pages])
 
 
-def _digests(pool: MHAPool, pages: list[int]) -> list[str]:
+def _digests(pool: PagePool, pages: list[int]) -> list[str]:
     return [hashlib.sha256(pool.page(p * pool.page_size).contiguous().view(torch.uint8)
                            .numpy().tobytes()).hexdigest() for p in pages]
 
