@@ -170,8 +170,9 @@ class KVStoreHiCache(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         cfg = dict(getattr(storage_config, "extra_config", None) or {})
         unknown = set(cfg) - _CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"kvstore HiCache backend: unknown extra config {sorted(unknown)}")
+        if unknown:  # SGLang may leave options of its own in the dict: a warning, not a failure
+            logger.warning("kvstore HiCache backend: extra config keys it does not know: %s",
+                           sorted(unknown))
         self.storage_config = storage_config
         self.v1 = bool(int(cfg.get("interface_v1", 0)))
         self.namespace = str(cfg.get("namespace", ""))

@@ -245,6 +245,9 @@ def test_a_dead_or_refusing_store_gives_misses_not_exceptions(driver, daemons, s
         assert driver("get_v1", name="k", keys=keys, pages=[4, 5, 6]) == [False] * 3
         assert driver("set_v1", name="k", keys=keys, pages=[0, 1, 2]) == [False] * 3
         assert driver.seconds < 2.0
+    # A store that is down when the engine starts is no failed start, only misses.
+    driver("load", name="k2", extra_config={**BACKEND, "store": d.address})
+    assert driver("get_v1", name="k2", keys=keys, pages=[4, 5, 6]) == [False] * 3
     # A store that refuses the secret (AuthError) is a miss as well.
     driver("load", name="bad", extra_config={**BACKEND, "store": store.address,
                                               "cluster_secret": "not-the-secret"})
