@@ -12,7 +12,8 @@ These tests start the daemons, talk to the driver over its stdin/stdout, and che
 - a second process finds what the first stored (deterministic keys), over TCP where the first
   used shared memory; MHA pages are per TP rank, MLA pages are shared by every rank;
 - a full store fails only the pages that did not fit;
-- a killed daemon, or one that refuses the secret, gives misses and False, never an exception.
+- a killed daemon, or one that refuses the secret, gives misses and False, never an exception;
+- a cluster through etcd serves the same calls.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import pytest
 
 from kvstore import Client
+from kvstore.client.cluster import ClusterClient
 from kvstore.net import protocol as P
 from tests.kvstore.conftest import DaemonFactory, DaemonProc
 from tests.procs import REPO, _die_with_pytest
@@ -253,3 +255,22 @@ def test_a_dead_or_refusing_store_gives_misses_not_exceptions(driver, daemons, s
                                               "cluster_secret": "not-the-secret"})
     assert driver("set_v1", name="bad", keys=keys, pages=[0, 1, 2]) == [False] * 3
     assert driver("exists", name="bad", keys=keys) == 0
+
+
+def test_a_cluster_through_etcd(driver, daemons, etcd):
+    """``etcd`` + ``cluster`` instead of ``store``: the pages spread over the registered nodes
+    and come back bit for bit."""
+    cluster = f"sgl{uuid.uuid4().hex[:8]}"
+    nodes = [daemons("--etcd", etcd, "--cluster", cluster) for _ in range(2)]
+    with ClusterClient(etcd, cluster) as cc:
+        assert cc.wait_for_nodes(2, 10.0)
+    driver("load", name="c", extra_config={**BACKEND, "etcd": etcd, "cluster": cluster})
+    keys = page_hashes(8)
+    written = driver("fill", name="c", pages=list(range(8)), seed=7)
+    assert driver("set_v1", name="c", keys=keys, pages=list(range(8))) == [True] * 8
+    assert driver("exists", name="c", keys=keys) == 8
+    assert driver("get_v1", name="c", keys=keys, pages=list(range(8, 16))) == [True] * 8
+    assert driver("digests", name="c", pages=list(range(8, 16))) == written
+    for d in nodes:  # 16 blocks by rendezvous hashing: each node holds some
+        with Client(d.address) as c:
+            assert c.stats()["store"]["host"]["blocks"] > 0
