@@ -3,18 +3,19 @@
 #
 # SGLang pins torch 2.14.1, transformers, flashinfer and flash-attn, so it cannot share the
 # project's .venv. This venv holds the CPU build of torch the project tests with, SGLang
-# without its dependencies, and exactly the packages that the backend's imports need on this
-# machine (the HiCache storage interface, the backend factory, SGLang's host KV pools), each
-# pinned, every one installed with --no-deps so that nothing pulls another torch or CUDA; then
+# without its dependencies, and exactly the packages that SGLang's HiCache storage interface
+# and backend factory need to import on this machine, each pinned, every one installed with
+# --no-deps so that nothing pulls another torch or CUDA (SGLang's host KV pools do not import
+# on a CPU-only machine: docs/integrations.md, "SGLang HiCache backend"); then
 # the project itself (editable, its runtime dependencies pinned the same way).
 # Idempotent: a stamp over this script and pyproject.toml makes a second run instant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3.11}
+PY=${SGLANG_PYTHON:-python3.11}  # SGLang 0.5.23 ships a cp311 wheel
 VENV=.venv-sglang
 SGLANG=sglang==0.5.23
-stamp=$VENV/.installed-$(cat "$0" pyproject.toml | sha1sum | cut -c1-12)
+stamp=$VENV/.installed-$(cat scripts/setup_sglang.sh pyproject.toml | sha1sum | cut -c1-12)
 if [ -f "$stamp" ]; then
     echo "[setup] $VENV ready ($SGLANG)"
     exit 0
