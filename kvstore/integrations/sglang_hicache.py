@@ -40,15 +40,17 @@ Contract (SGLang's ``HiCacheStorage``):
   target tensor filled, or None), ``set``/``get``; these store one block per page.
 - ``batch_exists(keys) -> int``: how many leading pages have every block stored;
   ``exists(key)``. Lookups, they never touch recency.
-- Failures never reach the engine: a miss, an unreachable store (``StoreUnavailable``) or any
-  other ``KVStoreError`` is False / None / 0 for the keys concerned, logged.
+- Failures never reach the engine: a miss is False (None, 0); an unreachable store
+  (``StoreUnavailable``), any other ``KVStoreError``, or an error of our own, is False / None
+  / 0 for the keys concerned, logged.
 - Not supported: the v2 calls (hybrid models' side pools: Mamba, SWA, DSA indexer, DeepSeek V4:
   ``NotImplementedError`` as in the base class), head splitting across TP sizes
   (``tp_lcm_size``: pages are keyed by the writer's TP rank and size, so they are shared only
   by an engine with the same TP), DCP, and ``clear()`` (a no-op: the store is shared).
 
 Key mapping (deterministic: any process with the same configuration and pool finds the same
-pages). With ``namespace_id`` of ``kvstore.keys`` (xxh3_128 over the canonical JSON)::
+pages). With ``namespace_id`` of ``kvstore.keys`` (xxh3_128 of a domain tag and the canonical
+JSON, spec in that module)::
 
     ns  = namespace_id({"integration": "sglang-hicache-v1", "namespace": <namespace>,
                         "model": <storage_config.model_name or "">,
