@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One idempotent set-up for a fresh machine: .venv with the package and its test extras,
 # etcd from Debian's packages when no etcd binary is found, and the default model converted
-# once into the cache (~/.cache/kvcache-store/models).
+# once into the cache (~/.cache/kvcache-store/models), and the LMCache and SGLang environments
+# of the integrations (.venv-lmcache, .venv-sglang; SKIP_INTEGRATIONS=1 leaves them out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,6 +55,13 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
     echo "[setup] installing systemd from Debian's packages (systemd-analyze, for the unit files)"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq systemd >/dev/null
+fi
+
+# Other engines' environments (docs/integrations.md): LMCache's and SGLang's pins cannot
+# share .venv, so each has its own, used only by tests/integrations/ and lmcache_bench.
+if [ "${SKIP_INTEGRATIONS:-0}" != 1 ]; then
+    bash scripts/setup_lmcache.sh
+    bash scripts/setup_sglang.sh
 fi
 
 if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then

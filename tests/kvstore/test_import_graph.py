@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import grimp
 
-# Modules allowed to import torch: the optional CUDA tier, which only a daemon loads.
-_TORCH_USERS = {"kvstore.node.gpu_tier"}
+# Modules allowed to import torch: the optional CUDA tier, which only a daemon loads, and the
+# LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors).
+_TORCH_USERS = {"kvstore.node.gpu_tier", "kvstore.integrations.lmcache_plugin"}
 
 
 def test_only_the_gpu_tier_imports_torch() -> None:

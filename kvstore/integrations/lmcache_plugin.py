@@ -1,0 +1,459 @@
+"""The store as an LMCache storage plugin: ``KVStorePlugin``.
+
+LMCache (inside vLLM through ``LMCacheConnectorV1``, and inside SGLang) loads it from its
+configuration, with nothing patched in LMCache::
+
+    chunk_size: 256
+    local_cpu: false
+    max_local_cpu_size: 5          # GB; LMCache's allocator for what it stores and retrieves
+    storage_plugins: ["kvstore"]
+    extra_config:
+      storage_plugin.kvstore.module_path: kvstore.integrations.lmcache_plugin
+      storage_plugin.kvstore.class_name: KVStorePlugin
+      storage_plugin.kvstore.address: "127.0.0.1:7700"   # one daemon, or instead:
+      # storage_plugin.kvstore.etcd: "http://127.0.0.1:2379"  (+ .cluster: kvstore)
+      # storage_plugin.kvstore.transport: auto | tcp          (auto: shared memory on the host)
+      # storage_plugin.kvstore.secret_file: /etc/kvcache/secret  (else $KVCACHE_CLUSTER_SECRET)
+      # storage_plugin.kvstore.timeout: 5
+
+The settings are read under the plugin's own name (``storage_plugin.<name>.*``, the name in
+``storage_plugins`` whose ``module_path``/``class_name`` are this class), so two plugins may
+point at two stores. The client is ``kvstore.connect``: one daemon by address, or a cluster
+through etcd, authenticated with the cluster secret like every other client.
+
+Keys. An LMCache ``CacheEngineKey`` (model name, world size, worker id, chunk hash, dtype and
+its ``lmcache.tag.*`` tags: every field LMCache compares keys by) maps to the store's 16-byte
+key as ``BLAKE2b-128(b"kvstore.lmcache/1\\0" + key.to_string())``: deterministic across
+processes and hosts, and chunks of different models, ranks or dtypes never collide.
+
+Values. A stored chunk is a 64-byte header followed by the ``MemoryObj``'s bytes as they are
+(little-endian)::
+
+    0   4   magic b"KVL1"
+    4   1   MemoryFormat value        5   1   ndim (1..6)
+    6   1   dtype code (_DTYPES)      7   1   reserved (0)
+    8  24   shape, 6 x u32 (unused dims 0)
+   32   8   payload bytes (u64) = prod(shape) * itemsize
+   40  16   the store key (the header checks it belongs to the key it came back under)
+   56   8   reserved (0)
+
+A put sends header and tensor as ``Parts`` (no copy to join them). A get allocates the
+``MemoryObj`` from LMCache's own allocator (``local_cpu_backend.allocate``) once the header
+says its shape, and copies the payload into it straight from the daemon's arena on shared
+memory (one copy, the least there can be); over TCP the block lands in a reused staging
+buffer first. A header that does not parse, names another key or disagrees with the size is
+a miss, never bytes handed to the engine.
+
+Failure is a miss. A dead store, a full one, or an allocation LMCache refuses never raise
+into the engine: lookups answer "absent", gets ``None``, puts drop the chunk (a warning at
+most every 30 s; ``stats()`` counts each). The store cannot hold blocks for a client, so
+``pin`` is a presence check: a chunk evicted between LMCache's lookup and its retrieve is a
+miss, which LMCache recomputes. Gets return the leading run of hits, as LMCache's own backends
+do.
+
+Puts run on one thread of the plugin's, in submission order, through their own connection;
+lookups and gets use another, so a large store never queues a retrieve behind it.
+"""
+# pyright: reportMissingImports=false, reportAttributeAccessIssue=false
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+import kvstore
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.net.buffers import Parts, Sink
+
+__all__ = ["KVStorePlugin", "PluginSettings", "store_key", "encode_header", "decode_header"]
+
+log = logging.getLogger(__name__)
+
+_KEY_NS = b"kvstore.lmcache/1\0"
+MAGIC = b"KVL1"
+HEADER = struct.Struct("<4sBBBB6IQ16s8x")
+assert HEADER.size == 64
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+           torch.float8_e4m3fn, torch.float8_e5m2, torch.float64, torch.int32, torch.int64]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_WARN_EVERY_S = 30.0
+
+
+def store_key(key: CacheEngineKey) -> BlockKey:
+    """The store's 16-byte key of an LMCache key (module docstring)."""
+    return BlockKey(hashlib.blake2b(_KEY_NS + key.to_string().encode(), digest_size=16).digest())
+
+
+def encode_header(skey: bytes, fmt: MemoryFormat, shape: Sequence[int], dtype: torch.dtype) -> bytes:
+    if not 1 <= len(shape) <= 6:
+        raise ValueError(f"a chunk of {len(shape)} dimensions; 1 to 6 are stored")
+    if dtype not in _DTYPE_CODE:
+        raise ValueError(f"a chunk of {dtype}; stored dtypes: {_DTYPES}")
+    dims = [*shape, *([0] * (6 - len(shape)))]
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return HEADER.pack(MAGIC, fmt.value, len(shape), _DTYPE_CODE[dtype], 0, *dims, nbytes, skey)
+
+
+def decode_header(block: np.ndarray, skey: bytes) -> tuple[MemoryFormat, torch.Size, torch.dtype] | None:
+    """(fmt, shape, dtype) of a stored chunk (flat uint8), or None when it is not one of
+    ``skey``'s."""
+    if len(block) < HEADER.size:
+        return None
+    magic, fmt, ndim, code, _, *rest = HEADER.unpack(block[:HEADER.size].tobytes())
+    dims, nbytes, echo = rest[:6], rest[6], rest[7]
+    if magic != MAGIC or echo != skey or not 1 <= ndim <= 6 or code >= len(_DTYPES):
+        return None
+    shape, dtype = torch.Size(dims[:ndim]), _DTYPES[code]
+    if nbytes != int(np.prod(shape)) * dtype.itemsize or len(block) != HEADER.size + nbytes:
+        return None
+    try:
+        return MemoryFormat(fmt), shape, dtype
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """``storage_plugin.<name>.*`` of LMCache's ``extra_config`` (module docstring)."""
+
+    name: str = "kvstore"
+    address: str | None = None
+    etcd: str | None = None
+    cluster: str = "kvstore"
+    transport: str = "auto"
+    secret_file: str | None = None
+    timeout: float = 5.0
+
+    @classmethod
+    def from_config(cls, config: Any) -> "PluginSettings":
+        extra: dict[str, Any] = dict(getattr(config, "extra_config", None) or {})
+        names = [n for n in (getattr(config, "storage_plugins", None) or [])
+                 if extra.get(f"storage_plugin.{n}.module_path") == __name__
+                 and extra.get(f"storage_plugin.{n}.class_name") == KVStorePlugin.__name__]
+        name = names[0] if names else "kvstore"
+        if len(names) > 1:
+            log.warning("storage_plugins %s all load KVStorePlugin; %r's settings are used", names, name)
+
+        def opt(field: str, default: Any = None) -> Any:
+            return extra.get(f"storage_plugin.{name}.{field}", default)
+
+        s = cls(name=name, address=opt("address"), etcd=opt("etcd"),
+                cluster=str(opt("cluster", "kvstore")), transport=str(opt("transport", "auto")),
+                secret_file=opt("secret_file"), timeout=float(opt("timeout", 5.0)))
+        if (s.address is None) == (s.etcd is None):
+            raise ValueError(f"set exactly one of storage_plugin.{name}.address or "
+                             f"storage_plugin.{name}.etcd in LMCache's extra_config")
+        if s.transport not in ("auto", "tcp"):
+            raise ValueError(f"storage_plugin.{name}.transport must be 'auto' or 'tcp'")
+        return s
+
+    def connect(self) -> kvstore.StoreClient:
+        token = None
+        if self.secret_file:
+            with open(self.secret_file) as f:
+                token = f.read().strip()
+        if self.etcd is not None:
+            return kvstore.connect(etcd=self.etcd, cluster=self.cluster, auth_token=token,
+                                   timeout=self.timeout)
+        from kvstore.client.node import Client
+
+        assert self.address is not None
+        return Client(self.address, auth_token=token, timeout=self.timeout,
+                      transport="tcp" if self.transport == "tcp" else "auto")
+
+
+class _Link:
+    """One lazily (re)connected client: a dead store costs one attempt per ``retry_s``."""
+
+    def __init__(self, settings: PluginSettings, retry_s: float = 1.0) -> None:
+        self._settings, self._retry_s = settings, retry_s
+        self._client: kvstore.StoreClient | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def get(self) -> kvstore.StoreClient | None:
+        with self._lock:
+            if self._client is None and time.monotonic() >= self._next_try:
+                try:
+                    self._client = self._settings.connect()
+                except KVStoreError as exc:
+                    self._next_try = time.monotonic() + self._retry_s
+                    log.debug("kvstore unreachable: %s", exc)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class _ChunkSink(Sink):
+    """Receives one stored chunk: checks its header, allocates the ``MemoryObj`` from
+    LMCache's allocator and copies the payload into it (where the block lies, on shm)."""
+
+    __slots__ = ("skey", "allocate", "obj")
+
+    def __init__(self, staging: np.ndarray, skey: bytes,
+                 allocate: Callable[[torch.Size, torch.dtype, MemoryFormat], Optional[MemoryObj]]) -> None:
+        super().__init__(staging)
+        self.skey, self.allocate = skey, allocate
+        self.obj: MemoryObj | None = None
+
+    def consume(self, block: np.ndarray) -> None:
+        meta = decode_header(block, self.skey)
+        if meta is None:
+            log.warning("kvstore: a chunk came back with a bad header; treated as a miss")
+            return
+        fmt, shape, dtype = meta
+        obj = self.allocate(shape, dtype, fmt)
+        if obj is None:
+            return
+        dst = obj.tensor
+        if dst is None:
+            obj.ref_count_down()
+            return
+        np.copyto(dst.view(-1).view(torch.uint8).numpy(), np.frombuffer(block, np.uint8)[HEADER.size:])
+        self.obj = obj
+
+
+@dataclass
+class PluginStats:
+    unavailable: int = 0  # calls that found the store unreachable (answered as misses)
+    hits: int = 0
+    misses: int = 0
+    get_errors: int = 0
+    stored: int = 0
+    put_dropped: int = 0
+    put_errors: int = 0
+
+
+class KVStorePlugin(StoragePluginInterface):
+    """LMCache's ``StoragePluginInterface`` over a kvstore daemon or cluster (module docstring)."""
+
+    def __init__(self, dst_device: str = "cpu", config: Any = None, metadata: Any = None,
+                 local_cpu_backend: Any = None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        if local_cpu_backend is None:
+            raise ValueError("KVStorePlugin allocates from LMCache's local_cpu_backend; none was given")
+        self.settings = PluginSettings.from_config(config)
+        self._reader, self._writer = _Link(self.settings), _Link(self.settings)
+        self._puts = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lmcache-put")
+        self._put_lock = threading.Lock()
+        self._put_tasks: set[CacheEngineKey] = set()
+        self._staging = np.empty(0, np.uint8)
+        self._warned_at = 0.0
+        self.stats = PluginStats()
+
+    def __str__(self) -> str:
+        return f"KVStorePlugin({self.settings.address or self.settings.etcd})"
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def _present(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        client = self._reader.get()
+        if client is None:
+            self.stats.unavailable += 1
+            return [False] * len(keys)
+        try:
+            return client.contains([store_key(k) for k in keys])
+        except KVStoreError as exc:
+            self._drop(self._reader, exc)
+            self.stats.unavailable += 1
+            return [False] * len(keys)
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self._present([key])[0]
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        n = 0
+        for present in self._present(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        return await asyncio.to_thread(self.batched_contains, keys, pin)
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._put_lock:
+            return key in self._put_tasks
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key)
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return True
+
+    # --- gets ------------------------------------------------------------------------------
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> Optional[MemoryObj]:
+        return self.local_cpu_backend.allocate(shape, dtype, fmt)
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """The leading run of hits as ``MemoryObj``s of LMCache's allocator, None after."""
+        if not keys:
+            return []
+        client = self._reader.get()
+        if client is None:
+            self.stats.unavailable += 1
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
+        skeys = [store_key(k) for k in keys]
+        if not self._staging.nbytes:  # a block lands here over TCP (never touched on shm)
+            self._staging = np.empty(HEADER.size + self.local_cpu_backend.get_full_chunk_size_bytes(),
+                                     np.uint8)
+        sinks = [_ChunkSink(self._staging, k, self._allocate) for k in skeys]
+        try:
+            client.get(skeys, sinks)
+        except (KVStoreError, ValueError) as exc:
+            self._drop(self._reader, exc)
+            for s in sinks:
+                if s.obj is not None:
+                    s.obj.ref_count_down()
+            self.stats.get_errors += 1
+            return [None] * len(keys)
+        out: list[Optional[MemoryObj]] = []
+        leading = True
+        for s in sinks:
+            leading = leading and s.obj is not None
+            if leading:
+                out.append(s.obj)
+            else:  # a miss, or a hit after one: LMCache takes the leading run
+                if s.obj is not None:
+                    s.obj.ref_count_down()
+                out.append(None)
+        hits = len(out) - out.count(None)
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        return out
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return self.batched_get_blocking([key])[0]
+
+    def get_non_blocking(self, key: CacheEngineKey, location: Optional[str] = None) -> Optional[Future]:
+        f: Future = Future()
+        f.set_result(self.get_blocking(key))
+        return f
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
+                                       transfer_spec: Any = None) -> list[MemoryObj]:
+        objs = await asyncio.to_thread(self.batched_get_blocking, keys)
+        return [o for o in objs if o is not None]
+
+    # --- puts ------------------------------------------------------------------------------
+
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
+                                transfer_spec: Any = None,
+                                on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None,
+                                ) -> Optional[list[Future]]:
+        batch: list[tuple[CacheEngineKey, MemoryObj, bytes]] = []
+        for key, obj in zip(keys, objs):
+            meta = obj.metadata
+            tensor = obj.tensor
+            if tensor is None or (meta.shapes is not None and len(meta.shapes) > 1):
+                self.stats.put_dropped += 1
+                continue
+            skey = store_key(key)
+            try:
+                header = encode_header(skey, meta.fmt, tuple(tensor.shape), tensor.dtype)
+            except ValueError as exc:
+                self._warn(f"kvstore: a chunk cannot be stored: {exc}")
+                self.stats.put_dropped += 1
+                continue
+            with self._put_lock:
+                if key in self._put_tasks:
+                    continue
+                self._put_tasks.add(key)
+            obj.ref_count_up()
+            batch.append((key, obj, header))
+        if not batch:
+            return None
+        return [self._puts.submit(self._put, batch, on_complete_callback)]
+
+    def _put(self, batch: list[tuple[CacheEngineKey, MemoryObj, bytes]],
+             on_complete: Optional[Callable[[CacheEngineKey], None]]) -> None:
+        try:
+            client = self._writer.get()
+            held = [False] * len(batch)
+            if client is None:
+                self.stats.unavailable += 1
+            else:
+                try:
+                    held = client.put([store_key(k) for k, _, _ in batch],
+                                      [Parts(h, o.tensor) for _, o, h in batch])
+                except KVStoreError as exc:
+                    self._drop(self._writer, exc)
+                    self.stats.put_errors += 1
+            stored = sum(held)
+            self.stats.stored += stored
+            self.stats.put_dropped += len(batch) - stored
+            if stored < len(batch):
+                self._warn(f"kvstore: {len(batch) - stored} of {len(batch)} chunks were not stored "
+                           "(store full or unreachable)")
+            if on_complete is not None:
+                for (key, _, _), ok in zip(batch, held):
+                    if ok:
+                        try:
+                            on_complete(key)
+                        except Exception as exc:  # LMCache's callback: log, as its backends do
+                            log.warning("on_complete_callback failed for %s: %s", key, exc)
+        finally:
+            for key, obj, _ in batch:
+                obj.ref_count_down()
+                with self._put_lock:
+                    self._put_tasks.discard(key)
+
+    # --- removal, allocator, lifecycle -------------------------------------------------------
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return self.batched_remove([key], force) == 1
+
+    def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
+        client = self._writer.get()
+        if client is None:
+            return 0
+        try:
+            return client.delete([store_key(k) for k in keys])
+        except KVStoreError as exc:
+            self._drop(self._writer, exc)
+            return 0
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def touch_cache(self) -> None:
+        """Recency is the store's own (every get touches its blocks)."""
+
+    def close(self) -> None:
+        """Finish the queued puts (up to the store's timeout each), then disconnect."""
+        self._puts.shutdown(wait=True)
+        self._reader.close()
+        self._writer.close()
+
+    def _drop(self, link: _Link, exc: Exception) -> None:
+        self._warn(f"kvstore at {self.settings.address or self.settings.etcd}: {exc}")
+        link.close()
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("%s", message)
