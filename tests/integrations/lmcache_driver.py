@@ -23,9 +23,11 @@ import dataclasses
 import hashlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from benchmarks.lmcache_engine import LMCacheRig
 from kvstore.integrations.lmcache_plugin import KVStorePlugin
@@ -33,21 +35,20 @@ from kvstore.integrations.lmcache_plugin import KVStorePlugin
 CHUNK = 256
 
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
 def config(address: str, transport: str) -> dict[str, Any]:
-    """What docs/integrations.md shows, with the daemon's address."""
-    return {
-        "chunk_size": CHUNK,
-        "local_cpu": False,  # every retrieve goes to the store, none to LMCache's CPU cache
-        "max_local_cpu_size": 0.5,
-        "save_unfull_chunk": True,
-        "storage_plugins": ["kvstore"],
-        "extra_config": {
-            "storage_plugin.kvstore.module_path": "kvstore.integrations.lmcache_plugin",
-            "storage_plugin.kvstore.class_name": "KVStorePlugin",
-            "storage_plugin.kvstore.address": address,
-            "storage_plugin.kvstore.transport": transport,
-        },
-    }
+    """The YAML that docs/integrations.md shows (its "LMCache storage plugin" section), with
+    the daemon's address and the transport put in: what users copy is what is tested."""
+    text = DOCS.read_text()
+    section = text[text.index("## LMCache storage plugin"):]
+    block = section[section.index("```yaml\n") + 8:]
+    cfg = yaml.safe_load(block[:block.index("```")])
+    assert cfg["chunk_size"] == CHUNK and cfg["local_cpu"] is False, cfg
+    cfg["extra_config"]["storage_plugin.kvstore.address"] = address
+    cfg["extra_config"]["storage_plugin.kvstore.transport"] = transport
+    return cfg
 
 
 def prompt(seed: int, n: int) -> torch.Tensor:
