@@ -7,4 +7,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "[test] pyright (basic) over kvstore, engine, router"
 .venv/bin/pyright kvstore engine router
+# The integrations import LMCache and SGLang, which only their own environments hold.
+for pair in lmcache:lmcache_plugin sglang:sglang_hicache; do
+    env=.venv-${pair%%:*} module=kvstore/integrations/${pair##*:}.py
+    if [ -x "$env/bin/python" ]; then
+        echo "[test] pyright (basic) over $module against $env"
+        .venv/bin/pyright --pythonpath "$env/bin/python" "$module"
+    fi
+done
 exec .venv/bin/python -m pytest -q "$@"

@@ -54,7 +54,7 @@ do.
 Puts run on one thread of the plugin's, in submission order, through their own connection;
 lookups and gets use another, so a large store never queues a retrieve behind it.
 """
-# pyright: reportMissingImports=false, reportAttributeAccessIssue=false
+# pyright: reportMissingImports=false
 
 from __future__ import annotations
 
