@@ -308,27 +308,34 @@ class Client:
         return True
 
     def _get_tcp(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        if len(keys) == 1 and dests[0].array.nbytes:
+        if len(keys) == 1 and dests[0].array.nbytes and dests[0].sink is None:
             return [self._get_one_tcp(conn, keys[0], dests[0])]
         h, meta = conn.exchange(P.Op.GET, P.pack_keys(keys), keep_data=True, expect=8 * len(keys))
         sizes = np.frombuffer(meta, "<u8").tolist()
-        views = []
+        views: list[list[np.ndarray]] = []
+        landed: list[bool] = []  # the block lands where its sink asked (``Sink.landing``)
         for i, (d, s) in enumerate(zip(dests, sizes)):
             if s == P.MISSING:
                 continue
-            if s > d.array.nbytes:
+            land = d.sink.landing(s) if d.sink is not None else None
+            if land is None and s > d.array.nbytes:
                 conn.drain(h.data_len)
                 raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
-            views.append(d.array[:s])
+            views.append(land if land is not None else [d.array[:s]])
+            landed.append(land is not None)
         present = [(d, s) for d, s in zip(dests, sizes) if s != P.MISSING]
         if any(d.sink is not None for d, _ in present):
-            # A sink consumes each block as soon as it lands, while it is still in cache;
-            # the daemon keeps sending into the socket buffer meanwhile.
-            for (d, s), view in zip(present, views):
-                conn.recv([view])
-                d.finish(s)
+            # A sink consumes each block as soon as it lands, while it is still in cache (or
+            # is told its bytes are where it asked); the daemon keeps sending meanwhile.
+            for (d, s), view, there in zip(present, views, landed):
+                conn.recv(view)
+                if there:
+                    assert d.sink is not None
+                    d.sink.landed(s)
+                else:
+                    d.finish(s)
         else:
-            conn.recv(views)  # every present block, in key order, in as few syscalls as possible
+            conn.recv([v for vs in views for v in vs])  # every block, in key order, in few syscalls
             for d, s in present:
                 if d.staged:
                     d.finish(s)

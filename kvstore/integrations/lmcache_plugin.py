@@ -15,6 +15,7 @@ configuration, with nothing patched in LMCache::
       # storage_plugin.kvstore.transport: auto | tcp          (auto: shared memory on the host)
       # storage_plugin.kvstore.secret_file: /etc/kvcache/secret  (else $KVCACHE_CLUSTER_SECRET)
       # storage_plugin.kvstore.timeout: 5
+      # storage_plugin.kvstore.copy_threads: 2                 (a shared-memory get's copies)
 
 The settings are read under the plugin's own name (``storage_plugin.<name>.*``, the name in
 ``storage_plugins`` whose ``module_path``/``class_name`` are this class), so two plugins may
@@ -40,9 +41,13 @@ Values. A stored chunk is a 64-byte header followed by the ``MemoryObj``'s bytes
 A put sends header and tensor as ``Parts`` (no copy to join them). A get allocates the
 ``MemoryObj`` from LMCache's own allocator (``local_cpu_backend.allocate``) once the header
 says its shape, and copies the payload into it straight from the daemon's arena on shared
-memory (one copy, the least there can be); over TCP the block lands in a reused staging
-buffer first. A header that does not parse, names another key or disagrees with the size is
-a miss, never bytes handed to the engine.
+memory (one copy, the least there can be; a get's chunks are copied on ``copy_threads``
+threads, default 2). Over TCP a chunk of the full size (LMCache's metadata says its shape)
+is received straight into an object allocated when its size arrives, the header into a small
+array beside it (``Sink.landing``), and checked once it is in; another size (the prompt's
+last, shorter chunk) lands in a reused staging buffer first. A header that does not parse,
+names another key or disagrees with the size or the expected shape is a miss, never bytes
+handed to the engine.
 
 Failure is a miss. A dead store, a full one, or an allocation LMCache refuses never raise
 into the engine: lookups answer "absent", gets ``None``, puts drop the chunk (a warning at
@@ -108,17 +113,17 @@ def encode_header(skey: bytes, fmt: MemoryFormat, shape: Sequence[int], dtype: t
     return HEADER.pack(MAGIC, fmt.value, len(shape), _DTYPE_CODE[dtype], 0, *dims, nbytes, skey)
 
 
-def decode_header(block: np.ndarray, skey: bytes) -> tuple[MemoryFormat, torch.Size, torch.dtype] | None:
-    """(fmt, shape, dtype) of a stored chunk (flat uint8), or None when it is not one of
-    ``skey``'s."""
-    if len(block) < HEADER.size:
+def decode_header(head: np.ndarray, skey: bytes, size: int) -> tuple[MemoryFormat, torch.Size, torch.dtype] | None:
+    """(fmt, shape, dtype) of a stored chunk of ``size`` bytes whose header is ``head`` (flat
+    uint8), or None when it is not one of ``skey``'s or disagrees with the size."""
+    if len(head) < HEADER.size:
         return None
-    magic, fmt, ndim, code, _, *rest = HEADER.unpack(block[:HEADER.size].tobytes())
+    magic, fmt, ndim, code, _, *rest = HEADER.unpack(head[:HEADER.size].tobytes())
     dims, nbytes, echo = rest[:6], rest[6], rest[7]
     if magic != MAGIC or echo != skey or not 1 <= ndim <= 6 or code >= len(_DTYPES):
         return None
     shape, dtype = torch.Size(dims[:ndim]), _DTYPES[code]
-    if nbytes != int(np.prod(shape)) * dtype.itemsize or len(block) != HEADER.size + nbytes:
+    if nbytes != int(np.prod(shape)) * dtype.itemsize or size != HEADER.size + nbytes:
         return None
     try:
         return MemoryFormat(fmt), shape, dtype
@@ -137,6 +142,7 @@ class PluginSettings:
     transport: str = "auto"
     secret_file: str | None = None
     timeout: float = 5.0
+    copy_threads: int = 2
 
     @classmethod
     def from_config(cls, config: Any) -> "PluginSettings":
@@ -153,7 +159,8 @@ class PluginSettings:
 
         s = cls(name=name, address=opt("address"), etcd=opt("etcd"),
                 cluster=str(opt("cluster", "kvstore")), transport=str(opt("transport", "auto")),
-                secret_file=opt("secret_file"), timeout=float(opt("timeout", 5.0)))
+                secret_file=opt("secret_file"), timeout=float(opt("timeout", 5.0)),
+                copy_threads=int(opt("copy_threads", 2)))
         if (s.address is None) == (s.etcd is None):
             raise ValueError(f"set exactly one of storage_plugin.{name}.address or "
                              f"storage_plugin.{name}.etcd in LMCache's extra_config")
@@ -202,33 +209,93 @@ class _Link:
                 self._client = None
 
 
+@dataclass(frozen=True)
+class _FullChunk:
+    """What a full chunk of this engine is (LMCache's metadata): a TCP get receives its
+    payload straight into a ``MemoryObj`` allocated before the header arrives."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: MemoryFormat
+
+    @property
+    def block_bytes(self) -> int:
+        return HEADER.size + int(np.prod(self.shape)) * self.dtype.itemsize
+
+
 class _ChunkSink(Sink):
-    """Receives one stored chunk: checks its header, allocates the ``MemoryObj`` from
-    LMCache's allocator and copies the payload into it (where the block lies, on shm)."""
+    """Receives one stored chunk into a ``MemoryObj`` of LMCache's allocator, its header
+    checked first. On shared memory: where the block lies (``consume_all`` copies a get's
+    chunks on the plugin's threads); over TCP a full chunk lands in the object directly
+    (``landing``), anything else through the staging buffer (``consume``)."""
 
-    __slots__ = ("skey", "allocate", "obj")
+    __slots__ = ("skey", "plugin", "obj", "_head")
 
-    def __init__(self, staging: np.ndarray, skey: bytes,
-                 allocate: Callable[[torch.Size, torch.dtype, MemoryFormat], Optional[MemoryObj]]) -> None:
+    def __init__(self, staging: np.ndarray, skey: bytes, plugin: "KVStorePlugin") -> None:
         super().__init__(staging)
-        self.skey, self.allocate = skey, allocate
+        self.skey, self.plugin = skey, plugin
         self.obj: MemoryObj | None = None
+        self._head: np.ndarray | None = None
+
+    def _open(self, head: np.ndarray, size: int) -> np.ndarray | None:
+        """Check the header, allocate the object; its payload as flat uint8, or None."""
+        meta = decode_header(head, self.skey, size)
+        if meta is None:
+            self.plugin._warn("kvstore: a chunk came back with a bad header; treated as a miss")
+            return None
+        fmt, shape, dtype = meta
+        obj = self.plugin._allocate(shape, dtype, fmt)
+        if obj is None:
+            return None
+        if obj.tensor is None:
+            obj.ref_count_down()
+            return None
+        self.obj = obj
+        return obj.tensor.view(-1).view(torch.uint8).numpy()
 
     def consume(self, block: np.ndarray) -> None:
-        meta = decode_header(block, self.skey)
-        if meta is None:
-            log.warning("kvstore: a chunk came back with a bad header; treated as a miss")
+        dst = self._open(block[:HEADER.size], len(block))
+        if dst is not None:
+            np.copyto(dst, block[HEADER.size:])
+
+    @classmethod
+    def consume_all(cls, work: list[tuple[Sink, np.ndarray]]) -> None:
+        """Headers and allocations in key order, then the copies over the plugin's threads
+        (NumPy lets go of the GIL while it copies)."""
+        copies = []
+        pool = None
+        for sink, block in work:
+            assert isinstance(sink, _ChunkSink)
+            pool = sink.plugin._copiers
+            dst = sink._open(block[:HEADER.size], len(block))
+            if dst is not None:
+                copies.append((dst, block[HEADER.size:]))
+        if pool is None or len(copies) < 2:
+            for dst, src in copies:
+                np.copyto(dst, src)
             return
-        fmt, shape, dtype = meta
-        obj = self.allocate(shape, dtype, fmt)
-        if obj is None:
-            return
-        dst = obj.tensor
-        if dst is None:
-            obj.ref_count_down()
-            return
-        np.copyto(dst.view(-1).view(torch.uint8).numpy(), np.frombuffer(block, np.uint8)[HEADER.size:])
-        self.obj = obj
+        for f in [pool.submit(np.copyto, dst, src) for dst, src in copies]:
+            f.result()
+
+    def landing(self, size: int) -> list[np.ndarray] | None:
+        full = self.plugin._full
+        if full is None or size != full.block_bytes:
+            return None
+        obj = self.plugin._allocate(full.shape, full.dtype, full.fmt)
+        if obj is None or obj.tensor is None:
+            if obj is not None:
+                obj.ref_count_down()
+            return None
+        self.obj, self._head = obj, np.empty(HEADER.size, np.uint8)
+        return [self._head, obj.tensor.view(-1).view(torch.uint8).numpy()]
+
+    def landed(self, size: int) -> None:
+        assert self._head is not None and self.obj is not None and self.plugin._full is not None
+        full = self.plugin._full
+        if decode_header(self._head, self.skey, size) != (full.fmt, full.shape, full.dtype):
+            self.plugin._warn("kvstore: a chunk came back with a bad header; treated as a miss")
+            self.obj.ref_count_down()
+            self.obj = None
 
 
 @dataclass
@@ -240,6 +307,18 @@ class PluginStats:
     stored: int = 0
     put_dropped: int = 0
     put_errors: int = 0
+
+
+def _full_chunk(metadata: Any) -> _FullChunk | None:
+    """A full chunk's shape, dtype and format from LMCache's metadata (None if it says none)."""
+    try:
+        shapes, dtypes = metadata.get_shapes(), metadata.get_dtypes()
+    except (AttributeError, TypeError):
+        return None
+    if len(shapes) != 1 or len(dtypes) != 1:
+        return None
+    fmt = MemoryFormat.KV_MLA_FMT if getattr(metadata, "use_mla", False) else MemoryFormat.KV_2LTD
+    return _FullChunk(torch.Size(shapes[0]), dtypes[0], fmt)
 
 
 class KVStorePlugin(StoragePluginInterface):
@@ -257,6 +336,9 @@ class KVStorePlugin(StoragePluginInterface):
         self._put_lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
         self._staging = np.empty(0, np.uint8)
+        self._full = _full_chunk(metadata)
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvstore-lmcache-copy") \
+            if (copy_threads := self.settings.copy_threads) > 1 else None
         self._warned_at = 0.0
         self.stats = PluginStats()
 
@@ -320,7 +402,7 @@ class KVStorePlugin(StoragePluginInterface):
         if not self._staging.nbytes:  # a block lands here over TCP (never touched on shm)
             self._staging = np.empty(HEADER.size + self.local_cpu_backend.get_full_chunk_size_bytes(),
                                      np.uint8)
-        sinks = [_ChunkSink(self._staging, k, self._allocate) for k in skeys]
+        sinks = [_ChunkSink(self._staging, k, self) for k in skeys]
         try:
             client.get(skeys, sinks)
         except (KVStoreError, ValueError) as exc:
@@ -445,6 +527,8 @@ class KVStorePlugin(StoragePluginInterface):
     def close(self) -> None:
         """Finish the queued puts (up to the store's timeout each), then disconnect."""
         self._puts.shutdown(wait=True)
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
         self._reader.close()
         self._writer.close()
 

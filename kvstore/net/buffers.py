@@ -84,6 +84,11 @@ class Sink:
     should not raise: a sink records its own failures (the engine's connector verifies and
     scatters a KV block into its paged cache this way, ``engine.kv.connector``). On shared
     memory the client hands a get's sinks their blocks in one ``consume_all`` call.
+
+    Over TCP a sink may instead name where a block's bytes land once their size is known
+    (``landing``): the bytes are received straight there and ``landed`` follows, with no
+    staging copy (the LMCache plugin receives a chunk's header into a small array and its
+    payload into LMCache's own memory this way).
     """
 
     __slots__ = ("staging",)
@@ -92,6 +97,16 @@ class Sink:
         self.staging = staging
 
     def consume(self, block: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def landing(self, size: int) -> list[np.ndarray] | None:
+        """Over TCP: writable flat uint8 arrays whose sizes sum to ``size`` that the block is
+        received into, in order, then ``landed(size)``; None (the default): receive into
+        ``staging`` and ``consume``."""
+        return None
+
+    def landed(self, size: int) -> None:
+        """The block's bytes are in the arrays ``landing`` returned."""
         raise NotImplementedError
 
     @classmethod

@@ -14,7 +14,7 @@ import kvstore
 from kvstore import AsyncClient, Client, StoreFull, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
-from kvstore.net.buffers import Parts
+from kvstore.net.buffers import Parts, Sink
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)
@@ -105,6 +105,36 @@ def test_a_value_of_parts_is_stored_as_their_concatenation(client):
     assert client.put(keys, [Parts(head, body), Parts(b"x")]) == [True, True]
     want = head.tobytes() + body.numpy().tobytes()
     assert client.get_bytes(keys) == [want, b"x"]
+
+
+class Split(Sink):
+    """Lands a block of ``size`` bytes in two arrays (its first 8 bytes apart) when asked."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(np.zeros(size, np.uint8))
+        self.head, self.body = np.zeros(8, np.uint8), np.zeros(size - 8, np.uint8)
+        self.got: bytes | None = None
+        self.how = ""
+
+    def landing(self, size: int):
+        return [self.head, self.body[:size - 8]] if size == len(self.body) + 8 else None
+
+    def landed(self, size: int) -> None:
+        self.got, self.how = self.head.tobytes() + self.body[:size - 8].tobytes(), "landed"
+
+    def consume(self, block) -> None:
+        self.got, self.how = bytes(block), "consumed"
+
+
+def test_a_sink_may_land_a_block_where_it_asks_over_tcp(client):
+    keys = rand_keys(3)
+    vals = [os.urandom(1000), os.urandom(600), os.urandom(1000)]
+    client.put(keys, vals)
+    sinks = [Split(1000) for _ in keys]
+    assert client.get(keys, sinks) == [True] * 3
+    assert [s.got for s in sinks] == vals
+    want = "landed" if client.transport == "tcp" else "consumed"  # shm: where it lies
+    assert [s.how for s in sinks] == [want, "consumed", want]
 
 
 def test_a_part_that_cannot_fit_stores_its_leading_run(start_daemon):
