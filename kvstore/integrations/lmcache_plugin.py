@@ -197,7 +197,7 @@ class _Link:
             if self._client is None and time.monotonic() >= self._next_try:
                 try:
                     self._client = self._settings.connect()
-                except KVStoreError as exc:
+                except Exception as exc:  # a store (or etcd) down, a secret file gone: a miss
                     self._next_try = time.monotonic() + self._retry_s
                     log.debug("kvstore unreachable: %s", exc)
             return self._client
