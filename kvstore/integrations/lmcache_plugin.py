@@ -81,6 +81,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 import kvstore
 from kvstore.errors import KVStoreError
+from kvstore.integrations.lazy_client import LazyClient
 from kvstore.keys import BlockKey
 from kvstore.net.buffers import Parts, Sink
 
@@ -184,29 +185,25 @@ class PluginSettings:
 
 
 class _Link:
-    """One lazily (re)connected client: a dead store costs one attempt per ``retry_s``."""
+    """A ``LazyClient`` that answers None while the store cannot be reached (one attempt to
+    connect per ``retry_s``)."""
 
     def __init__(self, settings: PluginSettings, retry_s: float = 1.0) -> None:
-        self._settings, self._retry_s = settings, retry_s
-        self._client: kvstore.StoreClient | None = None
+        self._lazy, self._retry_s = LazyClient(settings.connect), retry_s
         self._next_try = 0.0
-        self._lock = threading.Lock()
 
     def get(self) -> kvstore.StoreClient | None:
-        with self._lock:
-            if self._client is None and time.monotonic() >= self._next_try:
-                try:
-                    self._client = self._settings.connect()
-                except Exception as exc:  # a store (or etcd) down, a secret file gone: a miss
-                    self._next_try = time.monotonic() + self._retry_s
-                    log.debug("kvstore unreachable: %s", exc)
-            return self._client
+        if time.monotonic() < self._next_try:
+            return None
+        try:
+            return self._lazy.get()
+        except Exception as exc:  # a store (or etcd) down, a secret file gone: a miss
+            self._next_try = time.monotonic() + self._retry_s
+            log.debug("kvstore unreachable: %s", exc)
+            return None
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._lazy.close()
 
 
 @dataclass(frozen=True)

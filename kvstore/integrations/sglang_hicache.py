@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +81,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvstore import secret
 from kvstore.errors import KVStoreError
+from kvstore.integrations.lazy_client import LazyClient
 from kvstore.keys import namespace_id
 
 __all__ = ["KVStoreHiCache", "namespace_facts", "page_key"]
@@ -134,36 +134,15 @@ def _connect(cfg: dict[str, Any]) -> Any:
         parse_address(store)  # a malformed address fails the start
         if transport not in ("auto", "tcp", "shm"):
             raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
-        return _LazyClient(lambda: Client(store, auth_token=token, timeout=timeout,
+        return LazyClient(lambda: Client(store, auth_token=token, timeout=timeout,
                                           transport=transport))
     if transport != "auto":
         raise ValueError("'transport' applies to one daemon ('store'); a cluster picks per node")
     from kvstore.client.cluster import ClusterClient
 
     cluster, endpoints = str(cfg.get("cluster", "kvstore")), str(etcd)
-    return _LazyClient(lambda: ClusterClient(endpoints, cluster=cluster, auth_token=token,
+    return LazyClient(lambda: ClusterClient(endpoints, cluster=cluster, auth_token=token,
                                              timeout=timeout))
-
-
-class _LazyClient:
-    """The store client, made on first use and again after a failed attempt to make it."""
-
-    def __init__(self, make: Any) -> None:
-        self._make = make
-        self._client: Any = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                self._client = self._make()
-            return self._client
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
 
 
 class KVStoreHiCache(HiCacheStorage):
