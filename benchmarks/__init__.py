@@ -25,4 +25,5 @@ flags)::
     .venv/bin/python -m benchmarks.compare_report   # tables and a PNG from a compare run
     .venv/bin/python -m benchmarks.chaos_bench      # a cluster under load while its processes are killed
     .venv/bin/python -m benchmarks.handoff_bench    # the P->D handoff across hosts: one hop vs rendezvous
+    .venv/bin/python -m benchmarks.lmcache_bench    # LMCache through our plugin vs its lm:// server and Mooncake
 """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The environment of `python -m benchmarks.lmcache_bench` and its peers, idempotent:
 #   - LMCache 0.5.6 (CPU torch 2.13.0), whose `lm://` server (`python -m lmcache.v1.server`)
-#     is one peer: the LMCache environment is reused as it is, never changed (tests use it);
+#     is one peer: the LMCache environment is reused as it is, never changed (tests use it):
+#     Mooncake would add packages to it;
 #   - a bench venv layered on it (a .pth to its site-packages, nothing copied) holding what
 #     LMCache's environment lacks: Mooncake's non-CUDA store (the other peer, imported by
 #     LMCache's mooncakestore connector inside LMCache's process; its `mooncake_master` with
@@ -9,13 +10,12 @@
 #   bash benchmarks/peers/setup_lmcache_peers.sh [BENCH_VENV]
 # BENCH_VENV: ~/.cache/kvcache-store/lmcache-bench-venv (lmcache_bench's default --python).
 # The LMCache environment: $LMCACHE_VENV, else the repository's .venv-lmcache, else
-# ~/.cache/kvcache-store/lmcache-venv (built here, pinned, when none of them exists).
+# ~/.cache/kvcache-store/lmcache-venv; none of them: scripts/setup_lmcache.sh builds the first.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cache="$HOME/.cache/kvcache-store"
 venv="${1:-$cache/lmcache-bench-venv}"
 LMCACHE_VERSION=0.5.6
-TORCH_VERSION=2.13.0
 MOONCAKE_PINS=(mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4)
 KVSTORE_PINS=(xxhash==4.1.0 lmdb==3.0.0)   # kvstore's dependencies LMCache does not bring
 
@@ -41,12 +41,9 @@ base=""
 for cand in "${LMCACHE_VENV:-}" "$repo/.venv-lmcache" "$cache/lmcache-venv"; do
     if [ -n "$cand" ] && has_lmcache "$cand"; then base="$cand"; break; fi
 done
-if [ -z "$base" ]; then
-    base="$cache/lmcache-venv"
-    echo "[lmcache-peers] building LMCache $LMCACHE_VERSION in $base"
-    [ -x "$base/bin/python" ] || python3.11 -m venv "$base"
-    "$base/bin/pip" install -q "torch==$TORCH_VERSION"   # first and pinned, as scripts/setup.sh
-    "$base/bin/pip" install -q "lmcache==$LMCACHE_VERSION" "torch==$TORCH_VERSION"
+if [ -z "$base" ]; then   # the project's own LMCache environment, pinned there
+    bash "$repo/scripts/setup_lmcache.sh"
+    base="$repo/.venv-lmcache"
     has_lmcache "$base" || { echo "LMCache $LMCACHE_VERSION does not import in $base" >&2; exit 1; }
 fi
 echo "[lmcache-peers] LMCache environment: $base"
