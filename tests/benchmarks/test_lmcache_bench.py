@@ -1,6 +1,7 @@
 """benchmarks/lmcache_bench.py: its figures from samples (no LMCache needed), and one real run of
 one configuration (our plugin over shared memory, 256 tokens, ~11 s) in the bench environment
-that benchmarks/peers/setup_lmcache_peers.sh makes, skipped where that environment is absent."""
+that benchmarks/peers/setup_lmcache_peers.sh makes, or else in .venv-lmcache (scripts/setup.sh),
+skipped where neither exists."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import pytest
 from benchmarks import lmcache_bench as lb
 
 REPO = Path(__file__).resolve().parents[2]
-PYTHON = Path(os.environ.get("KVSTORE_LMCACHE_PYTHON", str(lb.BENCH_PYTHON)))
+# The bench environment when set up, else the LMCache tests' one (our plugin needs no Mooncake).
+PYTHON = Path(os.environ.get("KVSTORE_LMCACHE_PYTHON") or next(
+    (p for p in (lb.BENCH_PYTHON, REPO / ".venv-lmcache" / "bin" / "python") if p.exists()),
+    lb.BENCH_PYTHON))
 CHUNK = 30 * 2 * 256 * 3 * 64 * 4  # one 256-token chunk of the default model, float32
 
 
@@ -57,8 +61,8 @@ def test_bounded_pools_are_written_once_before_the_timed_rounds() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not PYTHON.exists(), reason=f"no LMCache bench environment at {PYTHON} "
-                    "(bash benchmarks/peers/setup_lmcache_peers.sh)")
+@pytest.mark.skipif(not PYTHON.exists(), reason=f"no LMCache environment at {PYTHON} "
+                    "(bash scripts/setup_lmcache.sh)")
 def test_one_configuration_runs_end_to_end(tmp_path: Path) -> None:
     r = subprocess.run([str(PYTHON), "-m", "benchmarks.lmcache_bench", "--configs", "kvstore_shm", "--prompts",
                         "256", "--rounds", "1", "--cold", "--json", "-", "--no-progress", "--log-dir", str(tmp_path)],
