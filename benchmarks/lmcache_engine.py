@@ -139,7 +139,8 @@ class LMCacheRig:
         deadline = time.monotonic() + timeout
         backends = list(getattr(manager, "storage_backends", {}).values())
         while time.monotonic() < deadline:
-            busy = [b for b in backends if getattr(b, "_put_tasks", None)]
+            busy = [b for b in backends  # ours and LMCache's own backends name them apart
+                    if getattr(b, "_put_tasks", None) or getattr(b, "put_tasks", None)]
             if not busy:
                 return
             time.sleep(0.005)
