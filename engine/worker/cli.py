@@ -109,7 +109,85 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", help="debug, info, warning or error (default warning)")
     add_secret_flags(s)
     tls_settings.add_tls_flags(s)
+    _add_profile_parser(sub)
     return p
+
+
+def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    pr = sub.add_parser("profile", help="measure this engine on this hardware into a profile file",
+                        description="Measure prefill (against prompt and cached prefix, chunked "
+                        "and not), decode steps (against batch and context) and store load/save "
+                        "bandwidth, fit each curve, write one profile file (engine.profile.format).")
+    pr.add_argument("--model", default="default",
+                    help="checkpoint directory, or 'default' for the converted SmolLM2-135M-Instruct")
+    pr.add_argument("--tiny", action="store_true",
+                    help="profile the tiny generated llama checkpoint instead (tests; ignores --model)")
+    pr.add_argument("--out", default="profile.json", help="the profile file to write (default profile.json)")
+    pr.add_argument("--plots", default=None, metavar="DIR",
+                    help="also write one PNG per curve into DIR (default: none)")
+    pr.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's own choice)")
+    pr.add_argument("--seed", type=int, default=0, help="seed of prompts, cache contents and keys (default 0)")
+    pr.add_argument("--quick", action="store_true",
+                    help="a smaller grid and one repeat per point (under a minute for the default model)")
+    pr.add_argument("--chunk", type=int, default=None,
+                    help="chunk size of the chunked prefill points (default 512; --quick 128)")
+    pr.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the model runs (default cpu; cuda needs torch.cuda.is_available())")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from engine.profile.format import save
+    from engine.profile.measure import ProfileSettings, run_profile
+
+    with tempfile.TemporaryDirectory(prefix="kvengine-tiny-") as tmp:
+        if args.tiny:
+            from engine.model.tiny import make_tiny_checkpoint
+
+            model_dir, name = make_tiny_checkpoint(Path(tmp) / "tiny-llama", "llama"), "tiny-llama"
+        else:
+            try:
+                model_dir = resolve_model_dir(args.model)
+            except FileNotFoundError as exc:
+                raise _StartupError(str(exc)) from exc
+            name = model_dir.name
+        t0 = time.monotonic()
+        prof = run_profile(ProfileSettings(
+            model_dir=model_dir, model_name=name, device=args.device, threads=args.threads,
+            seed=args.seed, quick=args.quick, chunk=args.chunk, progress=not args.no_progress))
+    out = save(prof, args.out)
+    plots = []
+    if args.plots:
+        from engine.profile.plot import plot_profile
+
+        plots = plot_profile(prof, args.plots)
+    print(_profile_summary(prof, time.monotonic() - t0))
+    print(f"wrote {out}" + (f" and {len(plots)} plots in {args.plots}" if plots else ""))
+    return 0
+
+
+def _profile_summary(prof, seconds: float) -> str:
+    h, m = prof.hardware, prof.model
+    c = prof.extra.get("chunk", 0)
+    lines = [f"kvengine profile: {m.name} ({m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} "
+             f"heads, head_dim {m.head_dim}, {m.dtype}, block {m.block_size}) on {h.device_name} "
+             f"({h.device}, {h.threads} threads, torch {h.torch_version}) in {seconds:.0f} s"]
+    for n in (128, 512, 2048):
+        lines.append(f"  prefill {n:5d} tok: {prof.prefill_s(n) * 1e3:8.1f} ms, 90% cached "
+                     f"{prof.prefill_s(n - n * 9 // 10, n * 9 // 10) * 1e3:8.1f} ms, chunk {c} "
+                     f"{prof.prefill_s(n, 0, c) * 1e3:8.1f} ms")
+    for b in (1, 8, 32):
+        lines.append(f"  decode batch {b:2d}: ctx 512 {prof.decode_step_s(b, 512) * 1e3:7.1f} ms/step, "
+                     f"ctx 2048 {prof.decode_step_s(b, 2048) * 1e3:7.1f} ms/step")
+    lines.append(f"  store load {prof.bandwidth('store_load') / 1e9:.2f} GB/s, save "
+                 f"{prof.bandwidth('store_save') / 1e9:.2f} GB/s ({prof.store.transport})")
+    lines.append("  fit max rel. error: " + ", ".join(
+        f"{k} {v.fit.max_rel_error:.1%}" for k, v in prof.curves.items()))
+    return "\n".join(lines)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -303,6 +381,12 @@ def serve(cfg: WorkerConfig, log_level: str = "warning") -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "profile":
+        try:
+            return _profile(args)
+        except (_StartupError, ValueError) as exc:
+            print(f"kvengine profile: {exc}", file=sys.stderr)
+            return 2
     try:
         cfg = config_from_args(args)
         tls_settings.configure(tls_settings.from_args(args))  # every connection it makes
