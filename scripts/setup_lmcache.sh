@@ -14,11 +14,20 @@ if [ -f "$stamp" ]; then
     exit 0
 fi
 echo "[setup] building $ENV (CPU torch 2.13.0, lmcache 0.5.6, this project): a few minutes, once"
-[ -x "$ENV/bin/python" ] || "$PY" -m venv "$ENV"
-"$ENV/bin/pip" install -q --upgrade pip
-"$ENV/bin/pip" install -q "torch==2.13.0"
-"$ENV/bin/pip" install -q "lmcache==0.5.6" "pytest>=8"
-"$ENV/bin/pip" install -q -e ".[lmcache]"
-"$ENV/bin/python" -c "import lmcache.v1.storage_backend.abstract_backend, kvstore.integrations.lmcache_plugin"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+step() {  # quiet; on failure show what it said (less pip's notes on the local indexes)
+    if ! "$@" >"$log" 2>&1; then
+        grep -v "is ignored: it is neither" "$log" >&2
+        echo "[setup] $ENV: failed: $*" >&2
+        exit 1
+    fi
+}
+[ -x "$ENV/bin/python" ] || step "$PY" -m venv "$ENV"
+step "$ENV/bin/pip" install -q --upgrade pip
+step "$ENV/bin/pip" install -q "torch==2.13.0"
+step "$ENV/bin/pip" install -q "lmcache==0.5.6" "pytest>=8"
+step "$ENV/bin/pip" install -q -e ".[lmcache]"
+LMCACHE_LOG_LEVEL=WARNING "$ENV/bin/python" -c "import lmcache.v1.storage_backend.abstract_backend, kvstore.integrations.lmcache_plugin"
 rm -f "$ENV"/.installed-*
 touch "$stamp"
