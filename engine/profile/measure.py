@@ -60,7 +60,7 @@ class Grid:
 
 
 def default_grid(quick: bool, max_positions: int, chunk: int | None = None) -> Grid:
-    """The full grid (a few minutes for SmolLM2-135M on 2 CPU cores) or ``quick``'s."""
+    """The full grid (over 7 minutes for SmolLM2-135M on 2 contended CPU cores) or ``quick``'s."""
     if quick:
         g = Grid((64, 256, 512), (0.0, 0.5, 0.9), chunk or 128, (1, 4, 16), (128, 512),
                  (1, 8, 32), 1)
