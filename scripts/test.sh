@@ -8,7 +8,7 @@ bash scripts/setup.sh
 echo "[test] pyright (basic) over kvstore, engine, router"
 .venv/bin/pyright kvstore engine router
 # The integrations import LMCache and SGLang, which only their own environments hold.
-for pair in lmcache:lmcache_plugin sglang:sglang_hicache; do
+for pair in lmcache:lmcache_plugin lmcache:lmcache_format sglang:sglang_hicache; do
     env=.venv-${pair%%:*} module=kvstore/integrations/${pair##*:}.py
     if [ -x "$env/bin/python" ]; then
         echo "[test] pyright (basic) over $module against $env"

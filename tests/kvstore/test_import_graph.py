@@ -8,7 +8,8 @@ import grimp
 
 # Modules allowed to import torch: the optional CUDA tier, which only a daemon loads, and the
 # LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors).
-_TORCH_USERS = {"kvstore.node.gpu_tier", "kvstore.integrations.lmcache_plugin"}
+_TORCH_USERS = {"kvstore.node.gpu_tier", "kvstore.integrations.lmcache_plugin",
+                "kvstore.integrations.lmcache_format"}
 
 
 def test_only_the_gpu_tier_imports_torch() -> None:
