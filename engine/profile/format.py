@@ -24,8 +24,9 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
 Each ``fit`` is ``{form, terms, coefficients, max_rel_error, rms_rel_error}``: the curve's time
 is ``sum(coefficients[i] * feature_i)`` over the named ``terms``; coefficients are
 non-negative (a least-squares fit weighted by 1 / seconds, i.e. of relative error, over the
-subsets of terms whose coefficients come out non-negative), so each fitted curve grows with
-every argument. ``max_rel_error`` is ``max |fit - measured| / measured`` over the points.
+subsets of terms whose coefficients come out non-negative and that keep the curve's
+``REQUIRED`` term: tokens, batch, bytes), so each fitted curve grows with every argument and
+strictly with what it measures. ``max_rel_error`` is ``max |fit - measured| / measured`` over the points.
 
 Features (``evaluate`` below computes them; a simulator may too):
 
@@ -73,6 +74,9 @@ TERMS: dict[str, tuple[str, ...]] = {
     "store_save": ("call", "bytes"),
 }
 CURVES = tuple(TERMS)
+# The term each fit keeps whatever the noise says, so every curve grows with what it measures
+# (time per token, per sequence, per byte); a fit of a constant alone would be flat.
+REQUIRED = {"prefill": "tokens", "decode": "batch", "store_load": "bytes", "store_save": "bytes"}
 FORMS = {
     "prefill": "a*steps + b*new_tokens + c*sum_chunks(k*(p + (k+1)/2))",
     "decode": "a + b*batch + c*batch*(context+1)",
@@ -199,8 +203,10 @@ def _point_features(curve: str, p: Any) -> dict[str, float]:
 
 
 def fit_curve(curve: str, points: Sequence[Any]) -> Fit:
-    """Least squares of relative error with non-negative coefficients (best subset of terms)."""
+    """Least squares of relative error with non-negative coefficients (best subset of terms
+    that holds the curve's ``REQUIRED`` term)."""
     terms = TERMS[curve]
+    need = terms.index(REQUIRED[curve])
     if not points:
         raise ValueError(f"no points to fit for {curve}")
     x = np.array([[_point_features(curve, p)[t] for t in terms] for p in points], dtype=np.float64)
@@ -210,6 +216,8 @@ def fit_curve(curve: str, points: Sequence[Any]) -> Fit:
     for r in range(1, len(terms) + 1):
         for subset in itertools.combinations(range(len(terms)), r):
             cols = list(subset)
+            if need not in cols:
+                continue
             a = x[:, cols] * w[:, None]
             scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # conditioning
             sol, *_ = np.linalg.lstsq(a / scale, np.ones_like(y), rcond=None)
@@ -221,7 +229,7 @@ def fit_curve(curve: str, points: Sequence[Any]) -> Fit:
             sse = float(np.sum(((x @ coef - y) * w) ** 2))
             if best is None or sse < best[0] - 1e-15:
                 best = (sse, coef)
-    assert best is not None  # a single non-negative term always fits (y > 0)
+    assert best is not None  # the required term alone always fits non-negatively (y > 0)
     coef = best[1]
     rel = np.abs(x @ coef - y) * w
     return Fit(form=FORMS[curve], terms=terms, coefficients=tuple(float(c) for c in coef),
