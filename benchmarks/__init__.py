@@ -1,6 +1,6 @@
 """Benchmarks; each prints one JSON line. The serving load generator's pieces:
 
-    from benchmarks.workloads import MixedSpec, TokenSpace
+    from planner.workloads import MixedSpec, TokenSpace
     from benchmarks.load_client import ClientConfig, run_workload
     from benchmarks.metrics_calc import Slo, summarize
 

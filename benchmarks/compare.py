@@ -64,7 +64,7 @@ from benchmarks.load_client import ClientConfig, fetch_model, stream_completion
 from benchmarks.metrics_calc import RequestResult
 from benchmarks.serve_bench import machine_info
 from benchmarks.sweep import Configuration, Launched
-from benchmarks.workloads import BenchRequest, TokenSpace
+from planner.workloads import BenchRequest, TokenSpace
 
 PY = sys.executable
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -33,7 +33,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.metrics_calc import RequestResult
-from benchmarks.workloads import BenchRequest
+from planner.workloads import BenchRequest
 
 __all__ = ["ClientConfig", "RunOutcome", "completion_body", "stream_completion", "run_workload",
            "fetch_model", "require_loopback"]

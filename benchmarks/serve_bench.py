@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks.load_client import ClientConfig, RunOutcome, fetch_model, run_workload
 from benchmarks.metrics_calc import RequestResult, Slo, summarize, summarize_by_tag
-from benchmarks.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
+from planner.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
 
 __all__ = ["add_bench_args", "build_workload", "client_config", "measure_unloaded", "run_point",
            "machine_info", "pin_client", "write_requests", "Unloaded", "PointResult"]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Set everything up (idempotent), type-check the three packages, and run the whole test suite,
+# Set everything up (idempotent), type-check the four packages, and run the whole test suite,
 # slow tests included (the import contracts run inside it: tests/test_architecture.py).
 # A fast subset for development: .venv/bin/pytest -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "[test] pyright (basic) over kvstore, engine, router"
-.venv/bin/pyright kvstore engine router
+echo "[test] pyright (basic) over kvstore, engine, router, planner"
+.venv/bin/pyright kvstore engine router planner
 # The integrations import LMCache and SGLang, which only their own environments hold.
 for pair in lmcache:lmcache_plugin lmcache:lmcache_format sglang:sglang_hicache; do
     env=.venv-${pair%%:*} module=kvstore/integrations/${pair##*:}.py

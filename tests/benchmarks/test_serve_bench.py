@@ -10,7 +10,7 @@ import pytest
 from benchmarks import serve_bench
 from benchmarks.load_client import ClientConfig, run_workload
 from benchmarks.metrics_calc import Slo, summarize
-from benchmarks.workloads import BenchRequest
+from planner.workloads import BenchRequest
 from tests.benchmarks.fake_openai import DROP, FAIL_500, SILENT, FakeOpenAI
 
 TTFT, TPOT = 0.15, 0.03

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.workloads import (
+from planner.workloads import (
     DEFAULT_TRACE, ChatSpec, MixedSpec, TokenSpace, TraceSpec, block_tokens, poisson_arrivals,
 )
 
@@ -130,7 +130,7 @@ def test_trace_rate_rescales_time(tmp_path):
 
 def test_default_trace_ships_in_the_repository():
     # A fresh clone has everything the benchmarks read: the trace, its licence and its source.
-    data = REPO / "benchmarks" / "data"
+    data = REPO / "planner" / "data"
     assert DEFAULT_TRACE.parent == data and DEFAULT_TRACE.is_file()
     assert "Apache License" in (data / "LICENSE").read_text()
     assert "kvcache-ai/Mooncake" in (data / "README.md").read_text()

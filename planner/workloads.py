@@ -36,7 +36,7 @@ __all__ = [
     "MixedSpec", "ChatSpec", "TraceSpec", "load_trace", "DEFAULT_TRACE",
 ]
 
-# Shipped in the repository (Apache-2.0, from kvcache-ai/Mooncake): benchmarks/data/README.md
+# Shipped in the repository (Apache-2.0, from kvcache-ai/Mooncake): planner/data/README.md
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's block size
 

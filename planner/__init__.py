@@ -1,0 +1,8 @@
+"""The planner: workloads, a discrete-event simulator of the serving path, and ``kvplan``.
+
+- ``planner.workloads``: seeded serving workloads (mixed, multi-turn, Mooncake-format traces),
+  shared by the load generator (``benchmarks``) and the simulator.
+- ``planner.sim``: the simulator. It runs the engine's own scheduler and block manager and the
+  router's own placement policies against a clock, with step times from a ``kvengine profile``.
+- ``planner.cli``: ``kvplan simulate`` / ``kvplan recommend``.
+"""
