@@ -2,7 +2,7 @@
 
     from planner.workloads import MixedSpec, TokenSpace
     from benchmarks.load_client import ClientConfig, run_workload
-    from benchmarks.metrics_calc import Slo, summarize
+    from planner.metrics import Slo, summarize
 
     wl = MixedSpec(long_share=0.1).build(num_requests=100, rate=2.0, seed=0, space=TokenSpace())
     out = asyncio.run(run_workload(wl.requests, ClientConfig("http://127.0.0.1:8000", "model")))

@@ -61,7 +61,7 @@ import numpy as np
 
 from benchmarks import lifecycle
 from benchmarks.load_client import ClientConfig, fetch_model, stream_completion
-from benchmarks.metrics_calc import RequestResult
+from planner.metrics import RequestResult
 from benchmarks.serve_bench import machine_info
 from benchmarks.sweep import Configuration, Launched
 from planner.workloads import BenchRequest, TokenSpace

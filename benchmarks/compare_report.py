@@ -37,7 +37,7 @@ SCALES = (1.0, 2.0, 3.0)  # the table's columns; all of them are in SLO_SCALES
 
 def _at_scales(out: Path, config: str, part: str, point: dict[str, Any]) -> list[float] | None:
     """Attainment with both objectives times each of ``SLO_SCALES``, from the point's requests."""
-    from benchmarks.metrics_calc import RequestResult, Slo, attainment_at_scales
+    from planner.metrics import RequestResult, Slo, attainment_at_scales
 
     path = out / config / part / "requests" / f"{config}_r{point['rate']:g}.jsonl"
     if not path.exists() or not point.get("slo"):

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.metrics_calc import RequestResult
+from planner.metrics import RequestResult
 from planner.workloads import BenchRequest
 
 __all__ = ["ClientConfig", "RunOutcome", "completion_body", "stream_completion", "run_workload",

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.metrics_calc import RequestResult  # noqa: E402
+from planner.metrics import RequestResult  # noqa: E402
 
 __all__ = ["plot_cdfs", "plot_latency_vs_rate", "plot_goodput_vs_rate", "plot_attainment_vs_slo_scale",
            "plot_chaos_timeline"]

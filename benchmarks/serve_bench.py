@@ -1,7 +1,7 @@
 """Serving benchmark: drive an OpenAI-compatible endpoint with a seeded streaming workload.
 
 Measures per request TTFT, TPOT, ITL and E2E on the client (see ``load_client`` and
-``metrics_calc`` for the definitions), and prints one JSON line: the configuration, the
+``planner.metrics`` for the definitions), and prints one JSON line: the configuration, the
 machine, the workload's scaling, p50/p90/p99, throughput and, given objectives, goodput and
 attainment, overall and per request tag. ``--out DIR`` also writes every request as a JSON line
 and a PNG of the TTFT/TPOT/ITL distributions.
@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.load_client import ClientConfig, RunOutcome, fetch_model, run_workload
-from benchmarks.metrics_calc import RequestResult, Slo, summarize, summarize_by_tag
+from planner.metrics import RequestResult, Slo, summarize, summarize_by_tag
 from planner.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
 
 __all__ = ["add_bench_args", "build_workload", "client_config", "measure_unloaded", "run_point",

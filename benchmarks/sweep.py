@@ -49,7 +49,7 @@ import aiohttp
 import httpx
 
 from benchmarks import lifecycle
-from benchmarks.metrics_calc import Slo, attainment_at_scales
+from planner.metrics import Slo, attainment_at_scales
 from benchmarks.serve_bench import (
     TokenSpace, Unloaded, add_bench_args, build_workload, client_config, fetch_model, fixed_slo, machine_info,
     measure_unloaded, pin_client, run_point, spec_from_args, write_requests,

@@ -17,7 +17,8 @@ short requests at the very same times.
 3. ``trace``: a window of the Mooncake trace (``hash_ids`` of 512-token blocks) at
    ``1/scale``: a 512-token block becomes ``512/scale`` tokens synthesized from
    ``(seed, hash_id)`` only, so equal ids give equal tokens and shared leading ids give
-   identical token prefixes. The history before the window is returned as ``prewarm``.
+   identical token prefixes. What of the history before the window can give the window hits
+   is returned as ``prewarm`` (``TraceSpec.prewarm``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 __all__ = [
     "BenchRequest", "Workload", "TokenSpace", "poisson_arrivals", "block_tokens",
-    "MixedSpec", "ChatSpec", "TraceSpec", "load_trace", "DEFAULT_TRACE",
+    "MixedSpec", "ChatSpec", "TraceSpec", "shared_prefixes", "load_trace", "DEFAULT_TRACE",
 ]
 
 # Shipped in the repository (Apache-2.0, from kvcache-ai/Mooncake): planner/data/README.md
@@ -211,9 +212,16 @@ class TraceSpec:
     id; outputs are divided by ``output_scale`` (0: ``scale``) and kept at least
     ``min_output``; a prompt is cut to ``max_context - max_tokens`` (a cut keeps its prefix).
     Arrivals are the trace's offsets from the window's first request times ``time_scale``, or
-    rescaled to a mean of ``rate``/s when a rate is given. ``prewarm``: ``all`` requests before
-    the window, ``shared`` only those whose first block is some window request's first block
-    (the only ones that can give it a hit), or ``none``; each is sent with one output token.
+    rescaled to a mean of ``rate``/s when a rate is given.
+
+    ``prewarm`` (sent before timing, each with one output token): ``all`` the requests before
+    the window, ``none``, or ``shared``: only what can give a window request a hit, the
+    prefixes ``shared_prefixes`` finds: for each window request the longest run of leading
+    hash ids (whole blocks in both prompts) it shares with some history request, each
+    distinct prefix once and none that is a prefix of another sent (sending the longer one
+    caches it), in history order (``shared_prefixes`` says why that order suits LRU caches).
+    On a trace whose requests all start with one system-prompt block, that is a handful of
+    prefixes where matching first blocks alone sent the whole history.
     """
 
     path: str = _opt(str(DEFAULT_TRACE), "Mooncake-format trace (JSON lines)")
@@ -223,7 +231,8 @@ class TraceSpec:
     output_scale: int = _opt(0, "output length scale (0: the same as --trace-scale)")
     min_output: int = _opt(1, "least output tokens of a request")
     time_scale: float = _opt(1.0, "multiply the trace's inter-arrival times (ignored with a rate)")
-    prewarm: str = _opt("shared", "history sent before timing: all, shared or none")
+    prewarm: str = _opt("shared", "history sent before timing: all, none, or shared: each distinct longest "
+                                   "prefix a window request shares with the history, once")
 
     def build(self, rate: float | None, seed: int, space: TokenSpace) -> Workload:
         if TRACE_BLOCK_TOKENS % self.scale:
@@ -238,15 +247,18 @@ class TraceSpec:
         oscale = self.output_scale or self.scale
         cache: dict[int, tuple[int, ...]] = {}
 
-        def prompt_of(row: dict[str, Any], max_tokens: int) -> tuple[int, tuple[int, ...]]:
-            n = math.ceil(row["input_length"] / self.scale)
-            cut = min(n, space.max_context - max_tokens)
+        def tokens_of(ids: Sequence[int]) -> list[int]:
             toks: list[int] = []
-            for h in row["hash_ids"][: math.ceil(cut / block)]:
+            for h in ids:
                 if h not in cache:
                     cache[h] = block_tokens(seed, h, block, space)
                 toks.extend(cache[h])
-            return n, tuple(toks[:cut])
+            return toks
+
+        def prompt_of(row: dict[str, Any], max_tokens: int) -> tuple[int, tuple[int, ...]]:
+            n = math.ceil(row["input_length"] / self.scale)
+            cut = min(n, space.max_context - max_tokens)
+            return n, tuple(tokens_of(row["hash_ids"][: math.ceil(cut / block)])[:cut])
 
         t0 = window[0]["timestamp"]
         span_s = (window[-1]["timestamp"] - t0) / 1000.0
@@ -261,15 +273,62 @@ class TraceSpec:
             cut_count += len(prompt) < n
             arrival = (row["timestamp"] - t0) / 1000.0 * time_scale
             requests.append(BenchRequest(f"trace-{seed}-{self.start + i}", prompt, out, arrival, tag="trace"))
-        firsts = {r["hash_ids"][0] for r in window if r["hash_ids"]}
-        warm = [BenchRequest(f"trace-{seed}-{j}-prewarm", prompt_of(r, 1)[1], 1, tag="prewarm")
-                for j, r in enumerate(history)
-                if self.prewarm == "all" or (self.prewarm == "shared" and r["hash_ids"] and r["hash_ids"][0] in firsts)]
+        warm: list[BenchRequest] = []
+        if self.prewarm == "all":
+            warm = [BenchRequest(f"trace-{seed}-{j}-prewarm", prompt_of(r, 1)[1], 1, tag="prewarm")
+                    for j, r in enumerate(history)]
+        elif self.prewarm == "shared":
+            # whole blocks only: a partial last block (or one past the context cut) never hits
+            def whole(row: dict[str, Any], n_tokens: int) -> list[int]:
+                return row["hash_ids"][: n_tokens // block]
+            past = [whole(r, min(math.ceil(r["input_length"] / self.scale), space.max_context - 1)) for r in history]
+            now = [whole(r, len(q.prompt)) for r, q in zip(window, requests)]
+            for j, ids in shared_prefixes(past, now):
+                warm.append(BenchRequest(f"trace-{seed}-{j}-prewarm", tuple(tokens_of(ids)), 1, tag="prewarm"))
         scaling = dict(asdict(self), path=Path(self.path).name, count=len(window), block_tokens=block,
                        output_scale=oscale, time_scale=time_scale, native_rate=native_rate,
                        mean_rate=native_rate / time_scale if time_scale else math.inf,
-                       prompts_cut_to_context=cut_count, prewarm_requests=len(warm))
+                       prompts_cut_to_context=cut_count, prewarm_requests=len(warm),
+                       prewarm_tokens=sum(len(r.prompt) for r in warm))
         return Workload("trace", requests, prewarm=warm, scaling=scaling)
+
+
+def shared_prefixes(history: Sequence[Sequence[int]], window: Sequence[Sequence[int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """What to pre-warm so that every window request finds its reusable prefix cached.
+
+    ``history`` and ``window`` are the requests' block ids (whole blocks only). For each window
+    request, the longest run of leading ids it shares with any history request; each distinct
+    run once, and none that is a prefix of another kept (the longer one caches it). Returned as
+    ``(j, ids)``, ``j`` the last history request that holds ``ids``, in history order.
+
+    Why history order and not longest-first: caches evict the least recently used blocks, so
+    the order of sending decides what survives when the pre-warm outgrows a cache. Sent in
+    history order, a prefix is as recent, relative to the others, as the trace's own history
+    made it, so the cache at the window's start keeps what a run of the whole history would
+    keep (the blocks that can hit, without the rest's pressure), and the prefixes the history
+    used last, those that nearby window requests are likeliest to reuse, are evicted last.
+    Longest-first would leave the longest prefixes, the most tokens to save, oldest, first to
+    go, and order them by length, which says nothing about when they are reused. (A block that
+    several prefixes share, a system prompt, is refreshed by each, so it stays warm either way.)
+    """
+    trie: dict[int, Any] = {}  # id -> [last history index holding this prefix, children]
+    for j, ids in enumerate(history):
+        node = trie
+        for h in ids:
+            entry = node.setdefault(h, [j, {}])
+            entry[0] = j
+            node = entry[1]
+    last: dict[tuple[int, ...], int] = {}
+    for ids in window:
+        node, k, j = trie, 0, -1
+        while k < len(ids) and ids[k] in node:
+            j, node = node[ids[k]]
+            k += 1
+        if k:
+            last[tuple(ids[:k])] = j
+    runs = sorted(last)  # lexicographic: a run that prefixes another is right before one that has it
+    kept = [p for p, q in zip(runs, runs[1:] + [()]) if q[:len(p)] != p]
+    return sorted((last[p], p) for p in kept)
 
 
 def load_trace(path: str | Path) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import serve_bench
 from benchmarks.load_client import ClientConfig, run_workload
-from benchmarks.metrics_calc import Slo, summarize
+from planner.metrics import Slo, summarize
 from planner.workloads import BenchRequest
 from tests.benchmarks.fake_openai import DROP, FAIL_500, SILENT, FakeOpenAI
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from planner.workloads import (
-    DEFAULT_TRACE, ChatSpec, MixedSpec, TokenSpace, TraceSpec, block_tokens, poisson_arrivals,
+    DEFAULT_TRACE, ChatSpec, MixedSpec, TokenSpace, TraceSpec, block_tokens, load_trace, poisson_arrivals,
+    shared_prefixes,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,14 +104,17 @@ def test_trace_scaling_shared_prefixes_and_prewarm(tmp_path):
     assert c.prompt[:16] == block_tokens(0, 100, 16, SPACE)
     # timestamps relative to the window's first, times the scale
     assert [r.arrival_s for r in wl.requests] == pytest.approx([0.0, 4.0, 8.0])
-    # the history before the window is the pre-warm set; "shared" keeps rows whose first block
-    # is a window request's first block (row 0 via id 0 and row 1 via id 5)
-    assert [len(r.prompt) for r in wl.prewarm] == [math.ceil(1500 / 32), math.ceil(600 / 32)]
+    # "shared" pre-warms what of the history can hit: a's whole blocks [0, 1] (row 0's third
+    # block differs) and b's one block [5] (row 1), in history order, one output token each
+    assert [r.request_id for r in wl.prewarm] == ["trace-0-0-prewarm", "trace-0-1-prewarm"]
+    assert [len(r.prompt) for r in wl.prewarm] == [32, 16]
     assert all(r.max_tokens == 1 for r in wl.prewarm)
-    row0 = wl.prewarm[0]
+    assert a.prompt[:32] == wl.prewarm[0].prompt and b.prompt == wl.prewarm[1].prompt
+    assert wl.scaling["prewarm_requests"] == 2 and wl.scaling["prewarm_tokens"] == 48
     # equal leading ids give identical token prefixes: 2 shared blocks = 32 tokens
+    row0 = TraceSpec(path=path, start=2, count=3, prewarm="all").build(None, 0, SPACE).prewarm[0]
+    assert len(row0.prompt) == math.ceil(1500 / 32)
     assert a.prompt[:32] == row0.prompt[:32] and a.prompt[32:34] != row0.prompt[32:34]
-    assert b.prompt == wl.prewarm[1].prompt[:16]
     assert wl.scaling["scale"] == 32 and wl.scaling["block_tokens"] == 16
     assert wl.scaling["prompts_cut_to_context"] == 1
     assert len(TraceSpec(path=path, start=2, prewarm="none").build(None, 0, SPACE).prewarm) == 0
@@ -152,3 +156,58 @@ def test_default_trace_window():
     assert all(len(r.prompt) + r.max_tokens <= 2048 for r in wl.requests)
     assert wl.scaling["mean_rate"] == pytest.approx(wl.scaling["native_rate"])
     assert wl.truncate(50).requests == wl.requests[:50]
+
+
+def test_shared_prefixes_are_distinct_longest_runs_in_history_order():
+    history = [[1, 2, 3], [1, 2], [4], [1, 2, 3, 8]]
+    window = [[1, 2, 9], [1, 2, 3, 7], [4, 5], [6], [1, 2, 3, 7, 7]]
+    # [1, 2] (window 0) is a prefix of [1, 2, 3] (windows 1 and 4, once): dropped; [6]: no hit;
+    # each run is placed at the last history request holding it (3 for [1, 2, 3])
+    assert shared_prefixes(history, window) == [(2, (4,)), (3, (1, 2, 3))]
+    assert shared_prefixes(history, [[6], []]) == [] and shared_prefixes([], window) == []
+
+
+def test_shared_system_prompt_prewarms_a_handful_of_prefixes_not_the_history(tmp_path):
+    # Every request starts with block 0 (a common system prompt); every 7th history request
+    # also has a second template [1, 2]. Window requests 0-9 use the template, 10-14 continue a
+    # history conversation (1500 twice), the rest only share the system prompt.
+    hist = [[0, 1, 2, 10_000 + j] if j % 7 == 0 else [0, 10_000 + j, 20_000 + j] for j in range(2000)]
+    conts = [100, 500, 1500, 1999, 1500]
+    win = ([[0, 1, 2, 30_000 + i] for i in range(10)] + [hist[j] + [40_000 + i] for i, j in enumerate(conts)]
+           + [[0, 50_000 + i] for i in range(25)])
+    rows = [{"timestamp": 10 * i, "input_length": 512 * len(ids), "output_length": 32, "hash_ids": ids}
+            for i, ids in enumerate(hist + win)]
+    path = write_trace(tmp_path / "system_prompt.jsonl", rows)
+    space = TokenSpace(max_context=2048)
+    wl = TraceSpec(path=path, start=2000, count=40, prewarm="shared").build(None, 0, space)
+    # first-block matching (the old "shared") sent all 2,000; now: the template, from the last
+    # history request with it (1995), and the 4 distinct continued conversations, once each
+    assert [r.request_id for r in wl.prewarm] == [f"trace-0-{j}-prewarm" for j in (100, 500, 1500, 1995, 1999)]
+    template = tuple(t for h in (0, 1, 2) for t in block_tokens(0, h, 16, space))
+    assert wl.prewarm[3].prompt == template
+    assert [len(r.prompt) for r in wl.prewarm] == [48, 48, 48, 48, 48]
+    assert wl.scaling["prewarm_requests"] == 5 and wl.scaling["prewarm_tokens"] == 240
+
+
+def test_every_window_request_finds_its_reusable_prefix_prewarmed():
+    # The shipped trace's window of docs/benchmarks.md (60 from 1,000): first-block matching
+    # sent 10 whole history requests (6,727 tokens); the distinct shared prefixes are 7 (4,144).
+    space, scale, block = TokenSpace(max_context=2048), 32, 16
+    wl = TraceSpec(start=1000, count=60, scale=scale).build(None, 0, space)
+    assert (len(wl.prewarm), wl.scaling["prewarm_tokens"]) == (7, 4144)
+    rows = load_trace(DEFAULT_TRACE)
+    history, window = rows[:1000], rows[1000:1060]
+    assert sum(h["hash_ids"][0] in {w["hash_ids"][0] for w in window} for h in history) == 10
+    # brute force over hash ids: the whole blocks a window request shares with some history
+    # prompt (that one cut to the context less its one output token) must be pre-warmed
+    whole_h = [h["hash_ids"][: min(math.ceil(h["input_length"] / scale), 2047) // block] for h in history]
+    reusable = set()
+    for w, r in zip(window, wl.requests):
+        ids = w["hash_ids"][: len(r.prompt) // block]
+        k = max(next((i for i, (x, y) in enumerate(zip(ids, h + [None] * len(ids))) if x != y), len(ids))
+                for h in whole_h)
+        if k:
+            reusable.add(r.prompt[: k * block])
+    # each covered, and nothing else sent: every pre-warm prompt is one request's reusable prefix
+    assert all(any(p.prompt[: len(x)] == x for p in wl.prewarm) for x in reusable)
+    assert {p.prompt for p in wl.prewarm} <= reusable

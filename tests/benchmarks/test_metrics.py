@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.metrics_calc import (
+from planner.metrics import (
     RequestResult, Slo, attainment_at_scales, distribution, percentile, summarize, summarize_by_tag,
 )
 
