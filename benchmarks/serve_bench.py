@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.load_client import ClientConfig, RunOutcome, fetch_model, run_workload
-from planner.metrics import RequestResult, Slo, summarize, summarize_by_tag
+from planner.metrics import RequestResult, Slo, Unloaded, summarize, summarize_by_tag
 from planner.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
 
 __all__ = ["add_bench_args", "build_workload", "client_config", "measure_unloaded", "run_point",
@@ -145,30 +145,6 @@ def machine_info() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "client_cpus": sorted(os.sched_getaffinity(0)),
             "processor": platform.processor() or platform.machine()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Unloaded:
-    """Median latency of requests sent one at a time on an idle endpoint."""
-
-    prompt_tokens: int
-    max_tokens: int
-    ttft_s: float
-    tpot_s: float
-    samples: int
-    long_prompt_tokens: int = 0  # a second, longer probe (0: none): TTFT objectives per length
-    long_ttft_s: float = 0.0
-
-    def slo(self, ttft_mult: float, tpot_mult: float) -> Slo:
-        """``ttft_mult`` x the unloaded TTFT (at each prompt length, when a long probe was
-        measured: the line through both probes, never below one unloaded decode step at a
-        0-token prompt) and ``tpot_mult`` x the unloaded TPOT."""
-        if self.long_prompt_tokens <= self.prompt_tokens:
-            return Slo(self.ttft_s * ttft_mult, self.tpot_s * tpot_mult)
-        slope = max((self.long_ttft_s - self.ttft_s) / (self.long_prompt_tokens - self.prompt_tokens), 0.0)
-        intercept = max(self.ttft_s - slope * self.prompt_tokens, self.tpot_s)
-        return Slo((intercept + slope * self.prompt_tokens) * ttft_mult, self.tpot_s * tpot_mult,
-                   slope * ttft_mult, self.prompt_tokens)
 
 
 async def _one_at_a_time(cfg: ClientConfig, space: TokenSpace, shape: tuple[int, int], n: int,

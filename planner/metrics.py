@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "RequestResult", "Slo", "Distribution", "Summary",
+    "RequestResult", "Slo", "Unloaded", "Distribution", "Summary",
     "percentile", "distribution", "summarize", "attainment_at_scales", "summarize_by_tag",
 ]
 
@@ -56,7 +56,7 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
+        if self.error is not None or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
@@ -96,10 +96,34 @@ class Slo:
         return self.ttft_s + self.ttft_per_token_s * (prompt_tokens - self.ref_prompt_tokens)
 
     def met(self, r: RequestResult) -> bool:
-        if not r.ok or r.ttft_s > self.ttft_objective(r.prompt_tokens):
+        if not r.ok or r.ttft_s is None or r.ttft_s > self.ttft_objective(r.prompt_tokens):
             return False
         tpot = r.tpot_s
         return tpot is None or tpot <= self.tpot_s
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """Median latency of requests sent one at a time on an idle endpoint."""
+
+    prompt_tokens: int
+    max_tokens: int
+    ttft_s: float
+    tpot_s: float
+    samples: int
+    long_prompt_tokens: int = 0  # a second, longer probe (0: none): TTFT objectives per length
+    long_ttft_s: float = 0.0
+
+    def slo(self, ttft_mult: float, tpot_mult: float) -> Slo:
+        """``ttft_mult`` x the unloaded TTFT (at each prompt length, when a long probe was
+        measured: the line through both probes, never below one unloaded decode step at a
+        0-token prompt) and ``tpot_mult`` x the unloaded TPOT."""
+        if self.long_prompt_tokens <= self.prompt_tokens:
+            return Slo(self.ttft_s * ttft_mult, self.tpot_s * tpot_mult)
+        slope = max((self.long_ttft_s - self.ttft_s) / (self.long_prompt_tokens - self.prompt_tokens), 0.0)
+        intercept = max(self.ttft_s - slope * self.prompt_tokens, self.tpot_s)
+        return Slo((intercept + slope * self.prompt_tokens) * ttft_mult, self.tpot_s * tpot_mult,
+                   slope * ttft_mult, self.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -174,7 +198,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | No
         itl_s=distribution(x for r in done for x in r.itl_s),
         e2e_s=distribution(r.e2e_s for r in done),
         send_lag_s=distribution(r.sent_s - r.scheduled_s for r in results),
-        cached_fraction=sum(r.cached_tokens for r in reporting) / prompt_reporting if prompt_reporting else None,
+        cached_fraction=sum(r.cached_tokens or 0 for r in reporting) / prompt_reporting if prompt_reporting else None,
         slo=slo,
         good=good,
         goodput=None if good is None else good * per_s,

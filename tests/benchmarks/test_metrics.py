@@ -104,7 +104,7 @@ def test_per_length_ttft_objective_is_a_line_through_the_reference():
 
 
 def test_unloaded_probes_give_per_length_objectives():
-    from benchmarks.serve_bench import Unloaded
+    from planner.metrics import Unloaded
 
     u = Unloaded(100, 16, ttft_s=0.4, tpot_s=0.05, samples=3, long_prompt_tokens=1100, long_ttft_s=2.4)
     slo = u.slo(5, 2)  # unloaded TTFT(n) = 0.2 + 0.002 n; objective 5x that at every length
