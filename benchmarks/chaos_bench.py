@@ -338,7 +338,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
     failed = [r for r in results if not r["ok"]]
     kills = [w.report(t0) for w in watches]
     backs = [k["back_s"] for k in kills]
-    from benchmarks.plots import plot_chaos_timeline
+    from planner.plots import plot_chaos_timeline
     plot_chaos_timeline(results, kills, out / "chaos_timeline.png",
                         f"chaos: {args.prefill}P+{args.decode}D, concurrency {args.concurrency}, "
                         f"{machine_info()['cpu_count']} CPUs")

@@ -308,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default",
                    help="every configuration's checkpoint: 'default' (SmolLM2-135M) or a directory")
     p.add_argument("--port", type=int, default=8390, help="the router port of every configuration (default 8390)")
+    p.add_argument("--point-seconds", type=float, default=None,
+                   help="every part's point length in seconds (default: each part's own: 90, 75, 70; quick 25)")
+    p.add_argument("--trace-rates", default=None,
+                   help="the trace part's rates, comma-separated (default 0.1,...,0.5; quick 0.3)")
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
     return p
@@ -321,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
                                      + ([] if args.quick else ["long_hit"]))).split(",")
     plan = [(part, label, f"{flags} {args.mixed_extra}".strip() if part == "mixed" else flags)  # later flags win
             for part, label, flags in parts(args.quick) if label in wanted]
+    if args.point_seconds:
+        plan = [(part, label, f"{flags} --point-seconds {args.point_seconds:g}") for part, label, flags in plan]
+    if args.trace_rates:
+        plan = [(part, label, f"{flags} --rates {args.trace_rates}" if part == "trace" else flags)
+                for part, label, flags in plan]
     results: dict[str, Any] = {}
     slos: dict[str, dict[str, float]] = {}
     t0 = time.time()

@@ -231,7 +231,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         write_requests(out / "requests.jsonl", point.results)
-        from benchmarks.plots import plot_cdfs
+        from planner.plots import plot_cdfs
 
         title = f"{workload.name} @ {args.rate} req/s, {model}, {record['machine']['platform']}"
         plot_cdfs(point.results, out / "latency_cdf.png", title, (slo.ttft_s, slo.tpot_s) if slo else None)

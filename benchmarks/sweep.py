@@ -215,7 +215,7 @@ async def _run_config(args: argparse.Namespace, config: Configuration, rates: li
 
 
 def _plot(results: dict[str, dict[str, Any]], out: Path, title: str, scale_at: int) -> None:
-    from benchmarks.plots import plot_attainment_vs_slo_scale, plot_goodput_vs_rate, plot_latency_vs_rate
+    from planner.plots import plot_attainment_vs_slo_scale, plot_goodput_vs_rate, plot_latency_vs_rate
 
     curves = {name: r["points"] for name, r in results.items()}
     slos = {name: (r["slo"]["ttft_s"], r["slo"]["tpot_s"]) for name, r in results.items()}
