@@ -57,7 +57,7 @@ def plot_cdfs(results: Sequence[RequestResult], path: Path, title: str,
               slo: tuple[float, float] | None = None) -> None:
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    _cdf(axes[0], [r.ttft_s for r in ok], "TTFT", slo[0] if slo else None)
+    _cdf(axes[0], [r.ttft_s for r in ok if r.ttft_s is not None], "TTFT", slo[0] if slo else None)
     _cdf(axes[1], [r.tpot_s for r in ok if r.tpot_s is not None], "TPOT", slo[1] if slo else None)
     _cdf(axes[2], [x for r in ok for x in r.itl_s], "ITL")
     _save(fig, path, title)
