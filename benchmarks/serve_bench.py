@@ -35,43 +35,15 @@ import numpy as np
 
 from benchmarks.load_client import ClientConfig, RunOutcome, fetch_model, run_workload
 from planner.metrics import RequestResult, Slo, Unloaded, summarize, summarize_by_tag
-from planner.workloads import BenchRequest, ChatSpec, MixedSpec, TokenSpace, TraceSpec, Workload
+from planner.workload_args import add_workload_args, build_workload, spec_from_args
+from planner.workloads import BenchRequest, TokenSpace, Workload
 
-__all__ = ["add_bench_args", "build_workload", "client_config", "measure_unloaded", "run_point",
-           "machine_info", "pin_client", "write_requests", "Unloaded", "PointResult"]
-
-WORKLOADS = {"mixed": ("mixed", MixedSpec), "multi_turn": ("chat", ChatSpec), "trace": ("trace", TraceSpec)}
-
-
-def add_spec_args(parser: argparse.ArgumentParser, cls: type, prefix: str) -> None:
-    """One ``--{prefix}-{field}`` flag per field of a spec dataclass, default and help from it."""
-    group = parser.add_argument_group(f"{prefix or 'token space'} options")
-    for f in dataclasses.fields(cls):
-        flag = "--" + "-".join(x for x in (prefix, f.name.replace("_", "-")) if x)
-        dest, metavar = (f"{prefix}_{f.name}" if prefix else f.name), f.name.upper()
-        if f.type in (bool, "bool"):
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            group.add_argument(flag, dest=dest, metavar=metavar, type=kind, default=f.default,
-                               help=f"{f.metadata['help']} (default {f.default})")
-
-
-def spec_from_args(args: argparse.Namespace, cls: type, prefix: str) -> Any:
-    return cls(**{f.name: getattr(args, f"{prefix}_{f.name}" if prefix else f.name) for f in dataclasses.fields(cls)})
-
+__all__ = ["add_bench_args", "client_config", "measure_unloaded", "run_point",
+           "machine_info", "pin_client", "write_requests", "PointResult"]
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Workload, client and objective flags shared by ``serve_bench`` and ``sweep``."""
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed",
-                        help="mixed: short decode-heavy requests and rare huge prefills; multi_turn: chat sessions "
-                             "sharing their history; trace: a window of the Mooncake "
-                             "trace (default mixed)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help="mixed: requests (default 200); others: at most this many open-loop requests")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and its arrivals")
     default = {f.name: f.default for f in dataclasses.fields(ClientConfig)}  # defaults live there
     parser.add_argument("--max-duration", type=float, default=default["max_duration_s"],
                         help="send nothing after this many seconds")
@@ -101,32 +73,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--client-cpus", default=None,
                         help="pin the load generator to these CPUs (e.g. 0 or 0,1); recorded with the machine")
-    add_spec_args(parser, TokenSpace, "")
-    for prefix, cls in WORKLOADS.values():
-        add_spec_args(parser, cls, prefix)
+    add_workload_args(parser)
 
 
 def fixed_slo(args: argparse.Namespace) -> Slo:
     """The objectives ``--ttft-slo-ms``/``--tpot-slo-ms`` (+ the per-token slope) fix."""
     return Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.ttft_slo_per_token_ms / 1e3,
                args.ttft_slo_ref_tokens)
-
-
-def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
-    """The workload the flags describe at ``rate`` (``None``: the trace's own timing)."""
-    space = spec_from_args(args, TokenSpace, "")
-    prefix, cls = WORKLOADS[args.workload]
-    spec = spec_from_args(args, cls, prefix)
-    if args.workload == "mixed":
-        wl = spec.build(args.num_requests or 200, rate or 1.0, seed, space)
-    elif args.workload == "multi_turn":
-        wl = spec.build(rate or 1.0, seed, space)
-    else:
-        wl = spec.build(rate, seed, space)
-    if args.num_requests and args.workload != "mixed":
-        wl = wl.truncate(args.num_requests)
-    wl.scaling.update(space=dataclasses.asdict(space), rate=rate, seed=seed)
-    return wl
 
 
 def client_config(args: argparse.Namespace, url: str, model: str) -> ClientConfig:

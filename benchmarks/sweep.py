@@ -49,11 +49,13 @@ import aiohttp
 import httpx
 
 from benchmarks import lifecycle
-from planner.metrics import Slo, attainment_at_scales
 from benchmarks.serve_bench import (
-    TokenSpace, Unloaded, add_bench_args, build_workload, client_config, fetch_model, fixed_slo, machine_info,
-    measure_unloaded, pin_client, run_point, spec_from_args, write_requests,
+    add_bench_args, client_config, fetch_model, fixed_slo, machine_info, measure_unloaded, pin_client, run_point,
+    write_requests,
 )
+from planner.metrics import Slo, Unloaded, attainment_at_scales
+from planner.workload_args import build_workload, spec_from_args
+from planner.workloads import TokenSpace
 
 __all__ = ["Configuration", "Launched", "max_rate_meeting", "main"]
 
