@@ -53,7 +53,7 @@ from benchmarks.serve_bench import (
     add_bench_args, client_config, fetch_model, fixed_slo, machine_info, measure_unloaded, pin_client, run_point,
     write_requests,
 )
-from planner.metrics import Slo, Unloaded, attainment_at_scales
+from planner.metrics import Slo, Unloaded, attainment_at_scales, max_rate_meeting
 from planner.workload_args import build_workload, spec_from_args
 from planner.workloads import TokenSpace
 
@@ -152,24 +152,6 @@ class Launched:
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         return lifecycle.stop(self.proc, timeout_s)
-
-
-def max_rate_meeting(points: list[dict[str, Any]], target: float = 0.9) -> dict[str, float | None]:
-    """The highest rate, rising from the lowest, before attainment first drops below ``target``
-    (``tested``), and the rate where the attainment curve crosses ``target`` by linear
-    interpolation to the first failing point (``interpolated``); ``None`` if even the lowest fails."""
-    tested = None
-    for i, p in enumerate(points):
-        att = p["summary"]["attainment"]
-        if att < target:
-            if tested is None:
-                return {"tested": None, "interpolated": None}
-            prev = points[i - 1]
-            a0, a1 = prev["summary"]["attainment"], att
-            frac = (a0 - target) / (a0 - a1) if a0 != a1 else 0.0
-            return {"tested": tested, "interpolated": prev["rate"] + frac * (p["rate"] - prev["rate"])}
-        tested = p["rate"]
-    return {"tested": tested, "interpolated": tested}
 
 
 def _rates(args: argparse.Namespace) -> list[float]:

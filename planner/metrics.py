@@ -29,6 +29,7 @@ import numpy as np
 __all__ = [
     "RequestResult", "Slo", "Unloaded", "Distribution", "Summary",
     "percentile", "distribution", "summarize", "attainment_at_scales", "summarize_by_tag",
+    "max_rate_meeting",
 ]
 
 
@@ -219,3 +220,21 @@ def attainment_at_scales(results: Sequence[RequestResult], slo: Slo,
     if not results:
         return [0.0 for _ in scales]
     return [sum(slo.scaled(k).met(r) for r in results) / len(results) for k in scales]
+
+
+def max_rate_meeting(points: list[dict[str, Any]], target: float = 0.9) -> dict[str, float | None]:
+    """The highest rate, rising from the lowest, before attainment first drops below ``target``
+    (``tested``), and the rate where the attainment curve crosses ``target`` by linear
+    interpolation to the first failing point (``interpolated``); ``None`` if even the lowest fails."""
+    tested = None
+    for i, p in enumerate(points):
+        att = p["summary"]["attainment"]
+        if att < target:
+            if tested is None:
+                return {"tested": None, "interpolated": None}
+            prev = points[i - 1]
+            a0, a1 = prev["summary"]["attainment"], att
+            frac = (a0 - target) / (a0 - a1) if a0 != a1 else 0.0
+            return {"tested": tested, "interpolated": prev["rate"] + frac * (p["rate"] - prev["rate"])}
+        tested = p["rate"]
+    return {"tested": tested, "interpolated": tested}

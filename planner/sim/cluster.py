@@ -1,0 +1,317 @@
+"""The simulated cluster: an event loop, the router's real placement code, the workers, a client.
+
+Events are ``(time, seq, fn)`` on a heap; nothing sleeps. One :class:`SimCluster` is one
+``kvrouter up``: its :class:`~planner.sim.worker.SimWorker` s, one
+:class:`~planner.sim.store.SimStore`, the router's ``KvIndex`` and prefill policy
+(``router.placement.prefill.PrefillPolicy``), and the router's decisions made by the router's
+own functions, in the order ``router.placement.orchestrator`` makes them:
+
+- ``colocated``: of the workers with room (``router.placement.decode.with_room``), the one the
+  prefill policy prefers runs the whole request (phase ``full``);
+- ``auto``: the would-be decode worker (``choose_decode``) prefills itself when its uncached
+  part is shorter than ``auto_threshold`` (``prefer_local``), else as disaggregated;
+- ``disaggregated``: the policy's prefill worker runs phase ``prefill`` (one token, held until
+  its blocks are saved), then ``choose_decode`` picks the decode worker, which loads the
+  prompt's blocks from the store at admission and generates the rest.
+
+Each phase is booked on the router's ``WorkerLoad`` (``assign``; ``prefill_done`` at its first
+token; ``release`` at its final line) exactly as ``router.placement.failover.ChoiceRun`` books
+it. Failures, retries and resumes are not simulated.
+
+The client is ``benchmarks.load_client.run_workload``'s: open-loop requests at their
+``arrival_s``, follow-ups ``delay_s`` after the request they follow finished, nothing sent after
+``max_duration_s``, whatever is in flight ``grace_s`` later cancelled and failed; the run's
+duration is the last completion (or that deadline). A request's TTFT, ITL and E2E are what
+the client would see: the router forwards tokens as workers produce them (``hop_s`` per
+message, 0 by default).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api.blocks import blocks_needed
+from kvstore.keys import BlockKey, block_keys, salted
+from planner.metrics import RequestResult
+from planner.sim.config import ClusterConfig
+from planner.sim.costs import StepCosts
+from planner.sim.store import SimStore
+from planner.sim.worker import OUTPUT_TOKEN, PhaseState, SimWorker, WorkerSpec
+from planner.workloads import BenchRequest
+from router.placement.decode import choose_decode, with_room
+from router.placement.prefill import PrefillPolicy, prefer_local
+from router.placement.route import Route
+from router.workers.kv_index import KvIndex
+
+__all__ = ["SimCluster", "RunResult", "Choice"]
+
+NAMESPACE = BlockKey(b"kvplan-simulated")  # 16 bytes: every simulated worker serves one model
+
+
+@dataclass(eq=False)
+class Choice:
+    """One client request on its way through the cluster."""
+
+    bench: BenchRequest
+    result: RequestResult
+    sent_at: float
+    namespace: BlockKey
+    keys: list[BlockKey]
+    route: Route | None = None
+    uncached: int = 0
+    delivered: int = 0
+    last_token_at: float | None = None
+    done: bool = False
+    first_phase_stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.bench.request_id
+
+
+@dataclass
+class RunResult:
+    """One simulated run: what the client saw, and what the cluster did."""
+
+    results: list[RequestResult]
+    duration_s: float
+    not_sent: int
+    routes: dict[str, int]
+    worker_busy_s: dict[str, float]
+    worker_steps: dict[str, int]
+    device_hit_tokens: int
+    store_hit_tokens: int
+    computed_prompt_tokens: int
+    events: int
+
+
+class SimCluster:
+    """See the module docstring. ``costs_for(spec)`` gives each worker's step costs (the
+    profile measured with that worker's threads)."""
+
+    def __init__(self, config: ClusterConfig, costs_for: Callable[[WorkerSpec], StepCosts]) -> None:
+        self.config = config
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.events = 0
+        specs = config.specs()
+        block_bytes = costs_for(specs[0]).block_bytes
+        self.store = SimStore.of_bytes(config.store_memory_bytes, block_bytes)
+        self.index = KvIndex()
+        self.policy = PrefillPolicy(config.policy, self.index)  # type: ignore[arg-type]
+        counts: dict[str, int] = defaultdict(int)
+        self.workers: dict[str, SimWorker] = {}
+        for spec in specs:
+            wid = f"{spec.role}-{counts[spec.role]}"
+            counts[spec.role] += 1
+            self.workers[wid] = SimWorker(wid, spec, costs_for(spec), self.store, self.index,
+                                          NAMESPACE, schedule=self.at, on_tokens=self._tokens,
+                                          on_finished=self._phase_done)
+        self.block_size = specs[0].block_size
+        self.routes: dict[str, int] = defaultdict(int)
+        self.stats = {"device": 0, "store": 0, "computed": 0}
+        self._on_complete: Callable[[Choice, float], None] = lambda c, t: None
+        self.closed = False
+
+    # --- the clock ---------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def run_until(self, t_end: float = math.inf) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t_end:
+            t, _, fn = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            fn()
+        self.now = max(self.now, t_end) if math.isfinite(t_end) else self.now
+
+    # --- the router --------------------------------------------------------------------
+    def _handles(self, can: str) -> list[Any]:
+        return [w.handle for w in self.workers.values()
+                if (w.info.can_prefill if can == "prefill" else w.info.can_decode)]
+
+    def submit(self, bench: BenchRequest, t: float, result: RequestResult) -> Choice:
+        """The client sends ``bench`` at ``t`` (the router has it ``hop_s`` later)."""
+        salt = f"sim-{bench.request_id}" if self.config.salt_per_request else None
+        ns = salted(NAMESPACE, salt)
+        keys = block_keys(ns, bench.prompt, self.block_size)
+        choice = Choice(bench, result, t, ns, keys)
+        self.at(t + self.config.hop_s, lambda: self._route(choice))
+        return choice
+
+    def _route(self, c: Choice) -> None:
+        cfg, t = self.config, self.now
+        n, max_tokens = len(c.bench.prompt), c.bench.max_tokens
+        decode = self._handles("decode")
+        needs_store = self.policy.name == "kv-aware" or cfg.mode == "auto"
+        store_blocks = self.store.peek_prefix_len(c.keys) if needs_store else 0
+        if cfg.mode == "colocated":
+            fitting = with_room(decode, n, max_tokens)
+            chosen = self.policy.choose([w.load for w in fitting], c.keys, n, store_blocks)
+            if chosen is None:
+                return self._fail(c, f"no worker's KV cache can hold {n} + {max_tokens} tokens")
+            self._start(c, Route.COLOCATED, chosen[0].worker_id, chosen[1].uncached_tokens, t)
+            return
+        prefill = self._handles("prefill")
+        if cfg.mode == "auto":
+            dec = choose_decode(decode, n, max_tokens)
+            if dec is not None:
+                est = self.policy.estimates([dec.load], c.keys, n, store_blocks)[0]
+                if prefer_local(est, cfg.auto_threshold) or not prefill:
+                    self._start(c, Route.AUTO_LOCAL, dec.worker_id, est.uncached_tokens, t)
+                    return
+        chosen = self.policy.choose([w.load for w in prefill], c.keys, n, store_blocks)
+        if chosen is None:
+            return self._fail(c, "no prefill worker")
+        route = Route.AUTO_REMOTE if cfg.mode == "auto" else Route.DISAGGREGATED
+        self._start(c, route, chosen[0].worker_id, chosen[1].uncached_tokens, t)
+
+    def _start(self, c: Choice, route: Route, worker_id: str, uncached: int, t: float) -> None:
+        c.route, c.uncached = route, uncached
+        self.routes[route.value] += 1
+        w = self.workers[worker_id]
+        n, bs = len(c.bench.prompt), self.block_size
+        if route.first_phase == "prefill":
+            books = w.load.assign(prefill_tokens=uncached, blocks=blocks_needed(n, 1, bs))
+            phase = "prefill"
+        else:
+            books = w.load.assign(prefill_tokens=uncached, blocks=blocks_needed(n, c.bench.max_tokens, bs))
+            phase = "full"
+        hop = self.config.hop_s
+        self.at(t + hop, lambda: w.submit(self.now, c, phase, c.bench.prompt, (), c.bench.max_tokens,
+                                          books, c.namespace))
+
+    def _decode_phase(self, c: Choice, t: float) -> None:
+        remaining = c.bench.max_tokens - c.delivered
+        if remaining <= 0:
+            return self._complete(c, t)
+        n = len(c.bench.prompt)
+        dec = choose_decode(self._handles("decode"), n + c.delivered, remaining)
+        if dec is None:
+            return self._fail(c, "no decode worker can hold the request's KV")
+        w = self.workers[dec.worker_id]
+        books = w.load.assign(prefill_tokens=0,
+                              blocks=blocks_needed(n + c.delivered, remaining, self.block_size))
+        outputs = (OUTPUT_TOKEN,) * c.delivered
+        self.at(t + self.config.hop_s, lambda: w.submit(self.now, c, "decode", c.bench.prompt, outputs,
+                                                        c.bench.max_tokens, books, c.namespace))
+
+    # --- what workers report -----------------------------------------------------------
+    def _deliver(self, c: Choice, t: float) -> None:
+        """One token reaches the client at ``t``."""
+        r = c.result
+        if c.delivered == 0:
+            r.ttft_s = t - c.sent_at
+        elif c.last_token_at is not None:
+            r.itl_s.append(t - c.last_token_at)
+        c.delivered += 1
+        c.last_token_at = t
+
+    def _tokens(self, st: PhaseState, t: float) -> None:
+        c: Choice = st.choice
+        if c.done:
+            return
+        st.books.prefill_done()
+        self._deliver(c, t + self.config.hop_s)
+
+    def _phase_done(self, st: PhaseState, t: float) -> None:
+        c: Choice = st.choice
+        st.books.release()
+        p = st.request.stats
+        if not c.first_phase_stats:
+            c.first_phase_stats = {"device": p.device_hit_tokens, "store": p.external_hit_tokens,
+                                   "computed": p.computed_prompt_tokens}
+            for k, v in c.first_phase_stats.items():
+                self.stats[k] += v
+        if c.done:
+            return
+        hop = self.config.hop_s
+        if st.phase == "prefill":
+            st.books.prefill_done()
+            self._deliver(c, t + hop)   # the held first token comes with the final line
+            self.at(t + hop, lambda: self._decode_phase(c, self.now))
+        else:
+            self._complete(c, t + hop)
+
+    def _complete(self, c: Choice, t: float) -> None:
+        c.done = True
+        c.result.e2e_s = t - c.sent_at
+        c.result.output_tokens = c.delivered
+        c.result.cached_tokens = c.first_phase_stats.get("device", 0) + c.first_phase_stats.get("store", 0)
+        self._on_complete(c, t)
+
+    def _fail(self, c: Choice, why: str) -> None:
+        c.done = True
+        c.result.error = why
+        self._on_complete(c, self.now)
+
+    # --- the client --------------------------------------------------------------------
+    def run_workload(self, requests: Sequence[BenchRequest], *, start: float | None = None,
+                     max_duration_s: float = math.inf, grace_s: float = 0.0,
+                     max_concurrency: int = 0) -> RunResult:
+        """Send ``requests`` as the load generator does (module docstring) from ``start``
+        (default: now) and run until they are done or cancelled."""
+        if self.closed:
+            raise RuntimeError("this cluster's last run was cut at its deadline; simulate on a fresh one")
+        t0 = self.now if start is None else start
+        followers: dict[str, list[BenchRequest]] = defaultdict(list)
+        for r in requests:
+            if r.after is not None:
+                followers[r.after].append(r)
+        results: list[RequestResult] = []
+        live: dict[str, Choice] = {}
+        backlog: list[tuple[BenchRequest, float]] = []
+        state = {"last": t0}
+
+        def send(req: BenchRequest, at: float) -> None:
+            if at - t0 > max_duration_s:
+                return
+            if max_concurrency and len(live) >= max_concurrency:
+                backlog.append((req, at))
+                return
+            result = RequestResult(req.request_id, req.tag, len(req.prompt), req.max_tokens,
+                                   scheduled_s=at - t0, sent_s=self.now - t0)
+            live[req.request_id] = self.submit(req, self.now, result)
+
+        def complete(c: Choice, t: float) -> None:
+            if live.pop(c.request_id, None) is None:
+                return
+            results.append(c.result)
+            state["last"] = max(state["last"], t)
+            for f in followers.get(c.request_id, ()):
+                at = t + f.delay_s
+                self.at(at, lambda f=f, at=at: send(f, at))
+            if backlog:
+                req, at = backlog.pop(0)
+                self.at(t, lambda: send(req, at))
+
+        self._on_complete = complete
+        for r in requests:
+            if r.after is None:
+                at = t0 + r.arrival_s
+                self.at(at, lambda r=r, at=at: send(r, at))
+        deadline = t0 + max_duration_s + grace_s
+        self.run_until(deadline)
+        if live:
+            for c in live.values():
+                c.done = True
+                c.result.error = "cancelled at the run's time bound"
+                results.append(c.result)
+            live.clear()
+            state["last"] = deadline
+            self._heap.clear()   # what the workers were doing dies with the run
+            self.closed = True
+        self._on_complete = lambda c, t: None
+        return RunResult(
+            results, state["last"] - t0, len(requests) - len(results), dict(self.routes),
+            {w: s.busy_s for w, s in self.workers.items()},
+            {w: s.steps for w, s in self.workers.items()},
+            self.stats["device"], self.stats["store"], self.stats["computed"], self.events)

@@ -1,0 +1,146 @@
+"""What the simulator runs: a cluster configuration, as ``kvrouter up`` would start it.
+
+:class:`ClusterConfig` is a fleet (``prefill`` + ``decode`` workers, or ``colocated`` ones), the
+router's mode and prefill policy, each pool's engine settings (:class:`WorkerSpec`) and the
+store's memory. :func:`from_up_flags` reads the flags a ``kvrouter up`` command line takes
+(the ones ``benchmarks.compare`` uses: ``--mode``, ``--prefill``, ``--decode``,
+``--threads-per-worker``, ``--store-memory``, ``--policy``, ``--auto-threshold`` and the
+engine's own through ``--worker-arg=``: ``--num-blocks``, ``--max-num-batched-tokens``,
+``--max-num-seqs``, ``--no-chunked-prefill``, ``--block-size``, ``--max-model-len``), and
+:meth:`ClusterConfig.up_command` writes one back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from dataclasses import dataclass, field, replace
+
+from planner.sim.worker import WorkerSpec
+
+__all__ = ["ClusterConfig", "from_up_flags", "parse_bytes"]
+
+MODES = ("disaggregated", "colocated", "auto")
+
+
+def parse_bytes(text: str) -> int:
+    """``512M``, ``2G``, ``1048576`` -> bytes (binary units, as ``kvstore serve --memory``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 2G)")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A fleet and its router (see the module docstring)."""
+
+    name: str = "cluster"
+    mode: str = "disaggregated"
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    prefill_spec: WorkerSpec = field(default_factory=lambda: WorkerSpec(role="prefill"))
+    decode_spec: WorkerSpec = field(default_factory=lambda: WorkerSpec(role="decode"))
+    colocated_spec: WorkerSpec = field(default_factory=lambda: WorkerSpec(role="colocated"))
+    policy: str = "kv-aware"
+    auto_threshold: int = 256
+    store_memory_bytes: int = 512 << 20
+    salt_per_request: bool = False  # every request its own cache_salt: no prefix reuse
+    hop_s: float = 0.0  # one router -> worker (or worker -> router) message's latency
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "colocated":
+            if self.colocated < 1:
+                raise ValueError("colocated mode needs at least one colocated worker")
+        elif self.decode < 1 or (self.mode == "disaggregated" and self.prefill < 1) or self.prefill < 0:
+            raise ValueError(f"{self.mode} mode needs a decode worker"
+                             + (" and a prefill worker" if self.mode == "disaggregated" else ""))
+
+    @property
+    def workers(self) -> int:
+        return self.colocated if self.mode == "colocated" else self.prefill + self.decode
+
+    def specs(self) -> list[WorkerSpec]:
+        """One spec per worker, prefill workers first."""
+        if self.mode == "colocated":
+            return [self.colocated_spec] * self.colocated
+        return [self.prefill_spec] * self.prefill + [self.decode_spec] * self.decode
+
+    def label(self) -> str:
+        if self.mode == "colocated":
+            s = self.colocated_spec
+            chunk = f"chunk {s.max_num_batched_tokens}" if s.enable_chunked_prefill else "no chunking"
+            return f"colocated x{self.colocated} ({chunk})"
+        if self.mode == "auto" and self.prefill == 0:
+            return f"colocated x{self.decode} (auto, no prefill pool)"
+        return f"{self.prefill}P:{self.decode}D" + (" auto" if self.mode == "auto" else "")
+
+    def up_command(self, model: str = "default", port: int = 8000) -> str:
+        """The ``kvrouter up`` command that starts this configuration for real."""
+        argv = ["kvrouter", "up", "--model", model, "--port", str(port), "--mode", self.mode]
+        spec = (self.colocated_spec if self.mode == "colocated"
+                else self.prefill_spec if self.prefill else self.decode_spec)
+        if self.mode != "colocated":
+            argv += ["--prefill", str(self.prefill), "--decode", str(self.decode)]
+        argv += ["--threads-per-worker", str(spec.threads), "--policy", self.policy,
+                 "--store-memory", f"{self.store_memory_bytes >> 20}M"]
+        if self.mode == "auto":
+            argv += ["--auto-threshold", str(self.auto_threshold)]
+        d = WorkerSpec()
+        argv.append(f"--worker-arg=--num-blocks={spec.num_blocks}")
+        if spec.max_num_batched_tokens != d.max_num_batched_tokens:
+            argv.append(f"--worker-arg=--max-num-batched-tokens={spec.max_num_batched_tokens}")
+        if spec.max_num_seqs != d.max_num_seqs:
+            argv.append(f"--worker-arg=--max-num-seqs={spec.max_num_seqs}")
+        if not spec.enable_chunked_prefill:
+            argv.append("--worker-arg=--no-chunked-prefill")
+        if self.mode != "colocated" and self.decode_spec.save_all:
+            argv.append("--worker-arg=--save-all")
+        return shlex.join(argv)
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    return p
+
+
+def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
+                  max_model_len: int = 2048) -> ClusterConfig:
+    """A configuration from ``kvrouter up`` flags (unknown ones, like CPU pinning, ignored)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--mode", default="disaggregated", choices=MODES)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--threads-per-worker", type=int, default=1)
+    p.add_argument("--store-memory", default="512M")
+    p.add_argument("--policy", default="kv-aware")
+    p.add_argument("--auto-threshold", type=int, default=256)
+    p.add_argument("--worker-arg", action="append", default=[])
+    args, _ = p.parse_known_args(shlex.split(flags))
+    w, _ = _worker_parser().parse_known_args(args.worker_arg)
+    base = WorkerSpec(max_model_len=max_model_len, threads=args.threads_per_worker)
+    changes = {k: v for k, v in (("num_blocks", w.num_blocks), ("block_size", w.block_size),
+                                 ("max_num_batched_tokens", w.max_num_batched_tokens),
+                                 ("max_num_seqs", w.max_num_seqs),
+                                 ("max_model_len", w.max_model_len)) if v is not None}
+    if w.no_chunked_prefill:
+        changes["enable_chunked_prefill"] = False
+    base = replace(base, **changes)
+    colocated = args.mode == "colocated"
+    return ClusterConfig(
+        name=name, mode=args.mode, prefill=0 if colocated else args.prefill,
+        decode=0 if colocated else args.decode, colocated=1 if colocated else 0,
+        prefill_spec=replace(base, role="prefill"), decode_spec=replace(base, role="decode"),
+        colocated_spec=replace(base, role="colocated"), policy=args.policy,
+        auto_threshold=args.auto_threshold, store_memory_bytes=parse_bytes(args.store_memory),
+        salt_per_request=salt_per_request)

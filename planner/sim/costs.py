@@ -1,0 +1,118 @@
+"""Step times from a profile: what one engine step of a scheduled batch costs.
+
+A step is one forward pass over a batch: ``decodes`` (one token each, each over its own
+context) and prefill chunks (``k`` tokens from position ``p``). Its time, from one
+``kvengine profile`` (``engine.profile.format``) and nothing else:
+
+- a pure decode step: the measured decode grid interpolated (bilinear in batch and mean
+  context, between the measured points; the fit beyond them). The fit alone misses the
+  measured points by up to a third on a CPU (a batch of 2 costs 1.7x a batch of 1, a batch of
+  8 hardly more than 4), and the simulator is only as good as its step times;
+- a prefill-only step: the prefill fit, ``a + sum over chunks of (b*k + c*pairs(k, p))``
+  (one pass: one overhead ``a``);
+- a mixed step: the decode step of its decodes plus each chunk's marginal prefill time
+  ``b*k + c*pairs`` (the decodes ride in the pass the prefill pays for, or the reverse).
+
+Store moves: ``load_s(blocks)`` (synchronous on the engine thread, at admission) and
+``save_s(blocks)`` (the saver thread's time for one batch of blocks) from the fitted
+``store_load`` / ``store_save`` curves.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from engine.profile.format import Profile
+
+__all__ = ["StepCosts"]
+
+
+class StepCosts:
+    """Step and transfer times of one profile (see the module docstring)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        pre = profile.curves["prefill"].fit
+        coef = dict(zip(pre.terms, pre.coefficients))
+        self._p_step, self._p_tok, self._p_att = coef["steps"], coef["tokens"], coef["attention"]
+        dec = profile.curves["decode"].fit
+        coef = dict(zip(dec.terms, dec.coefficients))
+        self._d_step, self._d_seq, self._d_ctx = coef["step"], coef["batch"], coef["batch_context"]
+        grid: dict[tuple[int, int], float] = {}
+        for p in profile.curves["decode"].points:
+            grid[(p.batch, p.context)] = p.seconds
+        self._batches = sorted({b for b, _ in grid})
+        self._contexts = sorted({c for _, c in grid})
+        full = all((b, c) in grid for b in self._batches for c in self._contexts)
+        self._grid = grid if full and len(self._batches) > 1 and len(self._contexts) > 1 else None
+        lo, sv = profile.curves["store_load"].fit, profile.curves["store_save"].fit
+        self._load = dict(zip(lo.terms, lo.coefficients))
+        self._save = dict(zip(sv.terms, sv.coefficients))
+        self.block_bytes = profile.model.block_bytes
+
+    # --- decode ------------------------------------------------------------------------
+    def _decode_fit(self, batch: float, context: float) -> float:
+        return self._d_step + self._d_seq * batch + self._d_ctx * batch * (context + 1)
+
+    def decode_s(self, batch: int, mean_context: float) -> float:
+        """One step of ``batch`` decodes over ``mean_context`` tokens each, on average."""
+        if batch <= 0:
+            return 0.0
+        if self._grid is None:
+            return self._decode_fit(batch, mean_context)
+        bs, cs = self._batches, self._contexts
+        b = min(max(float(batch), bs[0]), bs[-1])
+        c = min(max(mean_context, cs[0]), cs[-1])
+        inside = self._interp(b, c)
+        if b == batch and c == mean_context:
+            return inside
+        # Outside the grid: the nearest edge point, moved by what the fit says the rest costs.
+        return max(inside + self._decode_fit(batch, mean_context) - self._decode_fit(b, c), 1e-6)
+
+    def _interp(self, batch: float, context: float) -> float:
+        assert self._grid is not None
+        g, bs, cs = self._grid, self._batches, self._contexts
+        i = min(max(bisect.bisect_right(bs, batch) - 1, 0), len(bs) - 2)
+        j = min(max(bisect.bisect_right(cs, context) - 1, 0), len(cs) - 2)
+        b0, b1, c0, c1 = bs[i], bs[i + 1], cs[j], cs[j + 1]
+        u = (batch - b0) / (b1 - b0)
+        v = (context - c0) / (c1 - c0)
+        return ((1 - u) * (1 - v) * g[(b0, c0)] + u * (1 - v) * g[(b1, c0)]
+                + (1 - u) * v * g[(b0, c1)] + u * v * g[(b1, c1)])
+
+    # --- prefill -----------------------------------------------------------------------
+    def chunk_s(self, tokens: int, start: int) -> float:
+        """A prefill chunk's marginal time: ``tokens`` from position ``start`` (no overhead)."""
+        return self._p_tok * tokens + self._p_att * tokens * (start + (tokens + 1) / 2)
+
+    def prefill_s(self, tokens: int, cached: int = 0, chunk: int = 0) -> float:
+        """A whole prefill alone: ``tokens`` after ``cached``, in chunks of ``chunk`` (0: one)."""
+        size = chunk if chunk > 0 else max(tokens, 1)
+        t, done = 0.0, 0
+        while done < tokens:
+            k = min(size, tokens - done)
+            t += self._p_step + self.chunk_s(k, cached + done)
+            done += k
+        return t
+
+    def step_s(self, decode_contexts: Sequence[int], chunks: Sequence[tuple[int, int]]) -> float:
+        """One step: decodes over these contexts, prefill chunks ``(tokens, start)``."""
+        extra = 0.0
+        for k, p in chunks:
+            extra += self.chunk_s(k, p)
+        if decode_contexts:
+            n = len(decode_contexts)
+            return self.decode_s(n, sum(decode_contexts) / n) + extra
+        return self._p_step + extra if chunks else 0.0
+
+    # --- the store ---------------------------------------------------------------------
+    def load_s(self, blocks: int) -> float:
+        if blocks <= 0:
+            return 0.0
+        return self._load["call"] + self._load["bytes"] * blocks * self.block_bytes
+
+    def save_s(self, blocks: int) -> float:
+        if blocks <= 0:
+            return 0.0
+        return self._save["call"] + self._save["bytes"] * blocks * self.block_bytes
