@@ -15,6 +15,11 @@
   ``$KVCACHE_CLUSTER_SECRET_FILE``. A child that exits unexpectedly is restarted with backoff
   (console line, ``kvrouter_up_child_restarts_total`` on ``--metrics-port``). Only Ctrl-C or
   SIGTERM stops the cluster: every child (process groups), then exit 0.
+- ``kvrouter up --autoscale --max-workers N``: the same, and the launcher acts on the
+  router's per-pool desired counts within N workers (``router.cluster.autoscaler``): role
+  changes first (drained first), then starts or stops; the router runs in ``auto`` mode
+  unless ``--mode`` says otherwise, so "no prefill worker" (colocated) is one of its states.
+  ``--scale-*`` (also on ``serve``) set the objectives and the hysteresis (``router.scaling``).
 
 TLS (``kvstore.tls``): ``--tls-cert``/``--tls-key``/``--tls-ca`` (or ``$KVCACHE_TLS_*``) on
 ``serve`` put the router's calls to workers, the store and etcd on TLS with mutual
@@ -40,8 +45,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from router.cluster.autoscaler import Autoscaler, AutoscaleSpec
     from router.cluster.launcher import ClusterSpec, LocalCluster
     from router.cluster.supervisor import Supervisor
+    from router.scaling.policy import ScalingConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -99,13 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the public API over HTTPS with this certificate (with "
                         "--public-tls-key; no client certificate asked; default: plain HTTP)")
     s.add_argument("--public-tls-key", default=None, metavar="PEM", help="its private key")
+    _add_scaling_flags(s)
 
     u = sub.add_parser("up", help="run etcd, a store, workers and the router locally")
     u.add_argument("--port", type=int, default=8000, help="the router's port (0: a free one)")
     u.add_argument("--host", default="127.0.0.1", help="the router's bind address (default 127.0.0.1)")
     u.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     u.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    u.add_argument("--mode", choices=MODES, default="disaggregated", help=f"{mode_help} (default disaggregated)")
+    u.add_argument("--mode", choices=MODES, default=None,
+                   help=f"{mode_help} (default disaggregated; auto with --autoscale)")
     u.add_argument("--policy", choices=PREFILL_POLICIES, default="kv-aware", help=f"{policy_help} (default kv-aware)")
     u.add_argument("--auto-threshold", type=int, default=None,
                    help="the router's --auto-threshold (default: its default, "
@@ -147,7 +156,56 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode", "colocated"):
         u.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
                        help=f"pin every {role} worker to these CPUs (e.g. 0 or 0,1 or 0-3)")
+    a = u.add_argument_group("autoscaling (router.cluster.autoscaler)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="act on the router's per-pool desired worker counts: role changes first "
+                        "(drained first), then starting and stopping workers within --max-workers; "
+                        "workers are named worker-N; --prefill/--decode give the first layout")
+    a.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="with --autoscale: the most workers running, draining or starting at once "
+                        "(default: --prefill + --decode)")
+    a.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
+                   help="with --autoscale: seconds between reads of the router's signals (default 2)")
+    _add_scaling_flags(u)
     return p
+
+
+_SCALING_FLAGS = (   # (flag, ScalingConfig field, help)
+    ("--scale-ttft-target", "ttft_target_s", "the prefill pool's objective: predicted TTFT, seconds"),
+    ("--scale-itl-target", "itl_target_s", "the decode pool's objective: mean inter-token latency, seconds"),
+    ("--scale-kv-target", "kv_target", "the decode pool's objective: KV-cache utilization (0..1)"),
+    ("--scale-down-ratio", "down_ratio", "a pool loses a worker when its pressure without it stays at most this"),
+    ("--scale-idle-ratio", "idle_ratio", "a lone prefill worker under this pressure hands its work to the "
+                                         "decode workers (auto mode: the colocated state)"),
+    ("--scale-up-for", "up_for_s", "seconds a proposal of more workers must stand before it is desired"),
+    ("--scale-down-for", "down_for_s", "seconds a proposal of fewer workers must stand"),
+    ("--scale-cooldown", "cooldown_s", "seconds nothing moves after a pool's count or desired count changed"),
+    ("--scale-window", "window_s", "seconds the inter-token latency is averaged over"),
+    ("--scale-interval", "interval_s", "seconds between the router's evaluations"),
+)
+
+
+def _add_scaling_flags(p: argparse.ArgumentParser) -> None:
+    from router.scaling.policy import ScalingConfig
+
+    d = ScalingConfig()
+    g = p.add_argument_group("scaling signals (router.scaling: GET /admin/scaling, kvrouter_pool_* gauges)")
+    for flag, name, text in _SCALING_FLAGS:
+        g.add_argument(flag, type=float, default=None, dest=name, metavar="S" if name.endswith("_s") else "X",
+                       help=f"{text} (default {getattr(d, name):g})")
+
+
+def _scaling_config(args: argparse.Namespace) -> "ScalingConfig":
+    from router.scaling.policy import ScalingConfig
+
+    return ScalingConfig(**{name: getattr(args, name) for _f, name, _h in _SCALING_FLAGS
+                            if getattr(args, name) is not None})
+
+
+def _scaling_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--scale-*`` flags given to ``up``, for its router's command line."""
+    return tuple(x for flag, name, _h in _SCALING_FLAGS if getattr(args, name) is not None
+                 for x in (flag, repr(getattr(args, name))))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,7 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
             mode=args.mode, policy=args.policy, auto_threshold_tokens=args.auto_threshold,
             max_inflight_requests=args.max_inflight, api_key=args.api_key or None,
             request_log=args.request_log, max_body_bytes=args.max_body_bytes,
-            cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file))
+            cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
+            scaling=_scaling_config(args))
         tls.configure(tls.from_args(args))   # its calls to workers, the store and etcd
         public_tls = _public_tls(args)
     except (LaunchError, SecretError, ValueError) as exc:   # TLSError is a ValueError
@@ -245,16 +304,20 @@ def _up(args: argparse.Namespace) -> int:
             made = os.path.isfile(os.path.join(args.tls_dir, "node.pem"))
             tls_config = (tls.TLSConfig.from_dir(args.tls_dir).check() if made
                           else make_certs(args.tls_dir)["node"])
+        mode = args.mode or ("auto" if args.autoscale else "disaggregated")
+        autoscale = _autoscale_spec(args, mode)
+        _scaling_config(args)   # the --scale-* flags are checked here, not in the router's log
         spec = ClusterSpec(
             port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
-            mode=args.mode, policy=args.policy, auto_threshold=args.auto_threshold,
+            mode=mode, policy=args.policy, auto_threshold=args.auto_threshold,
             model=args.model, etcd=args.etcd, cluster=args.cluster,
             threads_per_worker=args.threads_per_worker, store_memory=args.store_memory,
             api_key=args.api_key or None, cluster_secret=secret, insecure=args.no_cluster_secret,
             request_log=args.request_log, log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg),
             prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-            colocated_cpus=args.colocated_cpus, tls=tls_config)
+            colocated_cpus=args.colocated_cpus, tls=tls_config, workers_by_index=args.autoscale,
+            router_args=_scaling_argv(args))
         tls.configure(tls_config)   # the launcher's own calls to etcd and the router
     except ValueError as exc:   # SecretError and TLSError are ones
         print(f"kvrouter up: {exc}", file=sys.stderr)
@@ -270,6 +333,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     close_metrics = None
+    autoscaler: "Autoscaler | None" = None
     code = 0
     try:
         metrics = SupervisorMetrics()
@@ -283,7 +347,14 @@ def _up(args: argparse.Namespace) -> int:
         models = httpx.get(f"{cluster.router_url}/v1/models", headers=headers, timeout=5,
                            trust_env=False).json()
         print(usage_banner(cluster.router_url, models["data"][0]["id"], spec.api_key), flush=True)
-        _supervise(Supervisor(cluster, _say, metrics=metrics))
+        supervisor = Supervisor(cluster, _say, metrics=metrics)
+        if autoscale is not None:
+            from router.cluster.autoscaler import Autoscaler
+
+            autoscaler = Autoscaler(cluster, autoscale, _say, registry=metrics.registry).start()
+            _say(f"autoscaling within {autoscale.max_workers} worker(s); its timeline in "
+                 f"{autoscaler.timeline}")
+        _supervise(supervisor)
     except _Stop as stop:
         _say(f"{signal.Signals(stop.args[0]).name}: stopping")
     except (LaunchError, OSError) as exc:   # OSError: the metrics port
@@ -293,6 +364,8 @@ def _up(args: argparse.Namespace) -> int:
         # A second Ctrl-C while stopping must not leave children behind.
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
+        if autoscaler is not None:   # before the children it acts on go
+            autoscaler.close()
         cluster.stop()
         if close_metrics is not None:
             close_metrics()
@@ -300,6 +373,28 @@ def _up(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     _say("all stopped")
     return code
+
+
+def _autoscale_spec(args: argparse.Namespace, mode: str) -> "AutoscaleSpec | None":
+    """``--autoscale``'s spec (None without it); ValueError for what it cannot do."""
+    if not args.autoscale:
+        if args.max_workers is not None:
+            raise ValueError("--max-workers needs --autoscale")
+        return None
+    from router.cluster.autoscaler import AutoscaleSpec
+
+    if mode == "colocated":
+        raise ValueError("--autoscale moves workers between the prefill and decode pools; "
+                         "--mode colocated has one pool (use --mode auto: no prefill worker is "
+                         "its colocated state)")
+    if args.hosts:
+        raise ValueError("--autoscale runs on one host (not with --hosts)")
+    initial = args.prefill + args.decode
+    spec = AutoscaleSpec(max_workers=args.max_workers or initial, interval_s=args.autoscale_interval)
+    if initial > spec.max_workers:
+        raise ValueError(f"--prefill {args.prefill} + --decode {args.decode} is more than "
+                         f"--max-workers {spec.max_workers}")
+    return spec
 
 
 def _make_cluster(args: argparse.Namespace, spec: "ClusterSpec") -> "LocalCluster":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from router.placement.prefill import PREFILL_POLICIES, PrefillPolicyName
+from router.scaling.policy import ScalingConfig
 from router.workers.fit import RateConfig
 
 __all__ = ["RouterConfig", "Mode", "MODES"]
@@ -34,6 +35,8 @@ class RouterConfig:
     sent on every call to a worker and to the store; never printed. ``max_body_bytes``: a
     request body past it gets 413 without being parsed. ``store_probe_interval_s``: how often
     the store is asked whether it is up (``/health``, and placement avoids it while down).
+    ``scaling``: the objectives and hysteresis of the per-pool scaling signals and desired
+    counts (``router.scaling``; ``GET /admin/scaling``, the ``kvrouter_pool_*`` gauges).
     """
 
     model_dir: str
@@ -55,6 +58,7 @@ class RouterConfig:
     cluster_secret: str | None = field(default=None, repr=False)
     max_body_bytes: int = 16 * 1024 * 1024
     store_probe_interval_s: float = 1.0
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def __post_init__(self) -> None:
         if not self.model_dir:

@@ -7,6 +7,15 @@ decisions per route (``kind`` = a ``router.placement.route.Route``: ``disaggrega
 ``store-down``: the decode worker prefilling because the store is down). Cache: prompt tokens
 found in each tier (``device``, ``store``) and computed.
 Transfer: KV bytes and seconds to and from the store. Requests by endpoint and status.
+
+Scaling (``router.scaling``, set by each evaluation, label ``pool`` = ``prefill`` | ``decode``):
+``kvrouter_pool_workers`` (in the pool, draining ones not counted), ``kvrouter_pool_desired_workers``
+(the planner's count, for an external autoscaler), ``kvrouter_pool_pressure`` (the pool's
+signal over its objective: 1 is at it), ``kvrouter_pool_predicted_ttft_seconds`` (queued
+prompt tokens over the measured prefill rate, plus one typical prefill),
+``kvrouter_pool_queued_prompt_tokens``, ``kvrouter_pool_kv_utilization`` and
+``kvrouter_pool_itl_seconds`` (decode: the mean inter-token latency of the recent window;
+every ``itl`` observation also lands in ``recent_itl``, a ``RecentWindow``).
 """
 
 from __future__ import annotations
@@ -21,11 +30,23 @@ from prometheus_client import (
 )
 
 from engine.api.generate import RequestStats
+from router.scaling.window import RecentWindow
 
 __all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+class _WindowedHistogram:
+    """A histogram whose observations also go to a :class:`RecentWindow` (``observe`` only)."""
+
+    def __init__(self, histogram: Histogram, window: RecentWindow) -> None:
+        self.histogram, self.window = histogram, window
+
+    def observe(self, value: float) -> None:
+        self.histogram.observe(value)
+        self.window.add(value)
+
+
 _FAST = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
@@ -36,8 +57,10 @@ class RouterMetrics:
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.ttft = Histogram("kvrouter_time_to_first_token_seconds",
                               "Arrival to first token", buckets=_LATENCY, registry=r)
-        self.itl = Histogram("kvrouter_inter_token_latency_seconds",
-                             "Time between streamed tokens", buckets=_LATENCY, registry=r)
+        self.recent_itl = RecentWindow()
+        self.itl = _WindowedHistogram(Histogram("kvrouter_inter_token_latency_seconds",
+                                                "Time between streamed tokens", buckets=_LATENCY,
+                                                registry=r), self.recent_itl)
         self.tpot = Histogram("kvrouter_time_per_output_token_seconds",
                               "(end - first token) / (output tokens - 1)", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("kvrouter_e2e_request_latency_seconds",
@@ -66,6 +89,25 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("kvrouter_requests_in_flight", "Requests being served", registry=r)
         self.workers = Gauge("kvrouter_workers", "Known workers by role", ["role"], registry=r)
+        pool = ["pool"]
+        self.pool_workers = Gauge("kvrouter_pool_workers", "Workers in the pool (draining ones not counted)",
+                                  pool, registry=r)
+        self.pool_desired_workers = Gauge("kvrouter_pool_desired_workers",
+                                          "The scaling planner's desired worker count of the pool",
+                                          pool, registry=r)
+        self.pool_pressure = Gauge("kvrouter_pool_pressure",
+                                   "The pool's scaling signal over its objective (1: at the objective)",
+                                   pool, registry=r)
+        self.pool_predicted_ttft = Gauge("kvrouter_pool_predicted_ttft_seconds",
+                                         "Queued prompt tokens over the measured prefill rate, plus one typical prefill",
+                                         pool, registry=r)
+        self.pool_queued_prompt_tokens = Gauge("kvrouter_pool_queued_prompt_tokens",
+                                               "Prompt tokens queued for prefill in the pool", pool, registry=r)
+        self.pool_kv_utilization = Gauge("kvrouter_pool_kv_utilization",
+                                         "KV-cache blocks in use over the pool's blocks", pool, registry=r)
+        self.pool_itl = Gauge("kvrouter_pool_itl_seconds",
+                              "Mean inter-token latency of the recent window (the decode pool)",
+                              pool, registry=r)
         for tier in ("device", "store"):
             self.prefix_hit_tokens.labels(tier)
         for direction in ("save", "load"):

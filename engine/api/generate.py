@@ -355,7 +355,11 @@ def parse_generate_line(obj: Any) -> GenerateChunk | GenerateFinal:
 class WorkerInfo:
     """What a worker is: ``GET /info`` is ``to_json()``; its etcd value under
     ``/{cluster}/workers/{worker_id}`` is ``to_etcd_value()``, the same without ``worker_id``
-    (the key names it), read back with ``from_etcd_value``."""
+    (the key names it), read back with ``from_etcd_value``.
+
+    ``draining``: the worker is changing its role (``POST /role``) and finishes what it holds
+    before it registers the new one; the router sends it no new work meanwhile. On the wire
+    only while true (``"draining": true``), so other values are as before."""
 
     worker_id: str
     address: str                # "http://host:port"
@@ -365,13 +369,17 @@ class WorkerInfo:
     block_size: int
     kv_capacity_blocks: int
     max_model_len: int
+    draining: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "worker_id": self.worker_id, "address": self.address, "role": self.role,
             "model": self.model, "namespace": self.namespace.hex(), "block_size": self.block_size,
             "kv_capacity_blocks": self.kv_capacity_blocks, "max_model_len": self.max_model_len,
         }
+        if self.draining:
+            out["draining"] = True
+        return out
 
     def to_etcd_value(self) -> dict[str, Any]:
         """The worker's registration value (``to_json()`` less ``worker_id``, which the key holds)."""
@@ -402,6 +410,7 @@ class WorkerInfo:
             namespace=namespace, block_size=read_int(obj, "block_size", lo=1),
             kv_capacity_blocks=read_int(obj, "kv_capacity_blocks", lo=0),
             max_model_len=read_int(obj, "max_model_len", lo=1),
+            draining=read_bool(obj, "draining", False),
         )
 
     @property

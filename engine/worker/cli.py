@@ -4,7 +4,12 @@ Once it accepts connections it prints one readiness line on stdout::
 
     kvengine ready address=http://127.0.0.1:8100 worker_id=<id> role=<role> namespace=<hex>
 
-Lifecycle: SIGTERM (or SIGINT) starts a drain: new ``/generate`` requests get 503 and
+Role changes at run time: ``POST /role`` (``engine.worker.role``): drained first, then the
+registration says the new role; a line ``kvengine role worker_id=ID role=R previous=OLD
+drain_s=S`` is printed when it took effect.
+
+Lifecycle: SIGTERM (or SIGINT) starts a drain: the registration says ``"draining": true``
+(routers send it nothing new), 0.3 s later new ``/generate`` requests get 503 and
 ``/health`` says "draining"; running requests finish (up to ``--drain-timeout``); then the
 worker deregisters from etcd, closes its event streams and exits 0. Start-up problems (no
 checkpoint, unreachable store or etcd, an unreadable secret file, a non-loopback ``--host``
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -50,6 +56,8 @@ if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
 __all__ = ["main", "build_parser", "config_from_args", "serve"]
 
 log = logging.getLogger("kvengine")
+
+_STOP_SETTLE_S = 0.3   # on SIGTERM, between "draining" in etcd and refusing (routers catch up)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +250,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
     from engine.core.llm_engine import LLMEngine
     from engine.worker.metrics import WorkerMetrics
     from engine.model.runner import ModelRunner
+    from engine.worker.role import RoleChanger
     from engine.worker.server import create_app
     from engine.worker.worker import EngineWorker, MeasuredRunner
 
@@ -273,7 +282,10 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
         block_size=cfg.block_size, kv_capacity_blocks=cfg.num_blocks,
         max_model_len=engine.max_model_len,
     )
-    app = create_app(worker, info, events, metrics, secret=cfg.cluster_secret)
+    roles = RoleChanger(info, in_flight=lambda: worker.in_flight,
+                        apply=lambda role: worker.set_save_all(cfg.saves_all_as(role)),
+                        settle_s=cfg.role_settle_s, timeout_s=cfg.drain_timeout_s)
+    app = create_app(worker, info, events, metrics, secret=cfg.cluster_secret, roles=roles)
     worker.start()
     try:
         yield worker, app, info
@@ -331,7 +343,7 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWor
         await asyncio.sleep(0.01)
     registration = None
     if cfg.etcd is not None:
-        value = info.to_etcd_value()
+        value = app.state.roles.info.to_etcd_value()
         try:
             registration = await asyncio.to_thread(
                 register, cfg.etcd, cfg.cluster, "workers", info.worker_id, value,
@@ -340,6 +352,8 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWor
             server.should_exit = True
             await serving
             raise _StartupError(f"cannot register in etcd at {cfg.etcd}: {exc}") from exc
+        reg = registration
+        app.state.roles.publish = lambda new: reg.update(new.to_etcd_value())   # POST /role
     print(f"kvengine ready address={info.address} worker_id={info.worker_id} role={info.role} "
           f"namespace={info.namespace.hex()} decode_attention={_attention_path(worker.runner.kv_cache)}", flush=True)
 
@@ -350,6 +364,15 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWor
         await serving
         return 1
     log.warning("draining: refusing new requests, finishing %s", "running ones")
+    roles = app.state.roles
+    await roles.cancel()   # a role change under way ends here; the drain goes on
+    if registration is not None:   # routers stop sending it work first (router.workers.pool)
+        try:
+            await asyncio.to_thread(registration.update,
+                                    dataclasses.replace(roles.info, draining=True).to_etcd_value())
+            await asyncio.sleep(_STOP_SETTLE_S)
+        except Exception as exc:  # noqa: BLE001 - etcd away: the 503s below still turn requests away
+            log.warning("could not mark the registration draining: %s", exc)
     worker.drain()
     drain_deadline = time.monotonic() + cfg.drain_timeout_s
     while not worker.idle and time.monotonic() < drain_deadline:

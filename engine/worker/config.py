@@ -34,7 +34,8 @@ def resolve_model_dir(model: str) -> Path:
 class WorkerConfig:
     """A worker: its role, model, cache, where its store is and where it registers.
 
-    - ``role``: what the router sends it (every worker can prefill). ``prefill`` and
+    - ``role``: what the router sends it (every worker can prefill); it may change at run
+      time (``POST /role``, ``engine.worker.role``), drained first. ``prefill`` and
       ``colocated`` workers save every new full block to the store; a ``decode`` worker saves
       only for requests in phase "prefill" (``save_all`` overrides).
     - ``kv_handoff``: where a phase "prefill" request's blocks go: ``local``, the store node on
@@ -80,7 +81,8 @@ class WorkerConfig:
     load_interval_s: float = 0.5
     event_capacity: int = 65536
     registration_ttl_s: float = 5.0
-    drain_timeout_s: float = 300.0
+    drain_timeout_s: float = 300.0       # SIGTERM's drain, and a role change's at most
+    role_settle_s: float = 1.0           # a role change drains at least this long (routers catch up)
     cluster_secret: str | None = field(default=None, repr=False)
     insecure: bool = False
 
@@ -93,7 +95,7 @@ class WorkerConfig:
             raise ValueError(f"--store must be host:port, got {self.store!r}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
-        for name in ("load_interval_s", "registration_ttl_s", "drain_timeout_s"):
+        for name in ("load_interval_s", "registration_ttl_s", "drain_timeout_s", "role_settle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.engine_config()  # validates the engine's share
@@ -101,7 +103,12 @@ class WorkerConfig:
 
     @property
     def saves_all(self) -> bool:
-        return self.save_all if self.save_all is not None else self.role != "decode"
+        return self.saves_all_as(self.role)
+
+    def saves_all_as(self, role: WorkerRole) -> bool:
+        """Whether a worker of ``role`` saves every new full block (its role may change at
+        run time, ``engine.worker.role``): ``save_all`` when given, else unless ``decode``."""
+        return self.save_all if self.save_all is not None else role != "decode"
 
     @property
     def uses_store(self) -> bool:

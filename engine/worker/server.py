@@ -10,6 +10,11 @@
   now on); it ends when the worker shuts down. ``GET /snapshot``: the resync point.
 - ``GET /info`` (``WorkerInfo``), ``GET /health`` (200 ok, 503 draining or engine dead),
   ``GET /metrics`` (Prometheus text from the worker's own registry).
+- ``POST /role`` ``{"role": "prefill"|"decode"|"colocated"}``: change the role at run time,
+  drained first (``engine.worker.role``): 202 with ``GET /role``'s body once the registration
+  says draining (200 when it took effect at once: the same role, or to ``colocated``), 409 while another change runs, 503 when the
+  worker shuts down or etcd could not be told. ``GET /role``: ``{"role", "target", "state":
+  "serving"|"draining", "in_flight", "draining_s", "changes", "last"}``.
 
 Authentication: given the cluster secret (``kvstore.secret``), every path but ``/health`` and
 ``/metrics`` requires ``Authorization: Bearer <secret>`` (checked in constant time) and answers
@@ -43,11 +48,13 @@ from engine.api.generate import (
     GenerateFinal,
     GenerateRequest,
     WORKER_ID_HEADER,
+    WORKER_ROLES,
     WorkerInfo,
 )
 from engine.worker.events import EventStream
 from engine.core.llm_engine import BlockKeyMismatch
 from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
+from engine.worker.role import RoleBusy, RoleChanger, RolePublishError
 from engine.worker.worker import Draining, EngineWorker
 from kvstore.secret import bearer_matches
 
@@ -109,15 +116,18 @@ class _RequireWorkerId:
 
 
 def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
-               metrics: WorkerMetrics, *, secret: str | None = None) -> FastAPI:
+               metrics: WorkerMetrics, *, secret: str | None = None,
+               roles: RoleChanger | None = None) -> FastAPI:
     """The worker's app. Setting ``app.state.closing`` (an ``asyncio.Event``) ends the
     event streams when set, so a server shutdown is not held open by subscribers.
-    ``secret``: the cluster secret every caller must present (None: no authentication)."""
+    ``secret``: the cluster secret every caller must present (None: no authentication).
+    ``roles``: the worker's role and its changes (default: one that registers nothing)."""
     app = FastAPI(title="kvengine worker", docs_url=None, redoc_url=None)
     app.add_middleware(_RequireWorkerId, worker_id=info.worker_id)
     if secret:
         app.add_middleware(_RequireSecret, secret=secret)
-    app.state.info = info
+    roles = roles or RoleChanger(info, in_flight=lambda: worker.in_flight)
+    app.state.roles = roles
     app.state.closing = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)
 
     @app.post("/generate")
@@ -206,7 +216,30 @@ def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
 
     @app.get("/info")
     async def get_info() -> Response:
-        return JSONResponse(app.state.info.to_json())
+        return JSONResponse(roles.info.to_json())
+
+    @app.get("/role")
+    async def get_role() -> Response:
+        return JSONResponse(roles.state())
+
+    @app.post("/role")
+    async def post_role(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not valid JSON: {exc}")
+        role = body.get("role") if isinstance(body, dict) else None
+        if role not in WORKER_ROLES:
+            return _error(400, f"role: expected one of {list(WORKER_ROLES)}, got {role!r}", field="role")
+        if worker.draining:
+            return _error(503, "this worker is shutting down; its role does not change")
+        try:
+            state = await roles.change(role)
+        except RoleBusy as exc:
+            return _error(409, str(exc), **roles.state())
+        except RolePublishError as exc:
+            return _error(503, str(exc))
+        return JSONResponse(state, status_code=202 if state["state"] == "draining" else 200)
 
     @app.get("/health")
     async def health() -> Response:

@@ -24,7 +24,8 @@ Contract:
   around the runner), feeds ``WorkerMetrics`` and publishes load reports on the
   ``EventStream`` at most every ``load_interval_s`` when they changed.
 - ``drain()`` refuses new requests (``submit`` raises ``Draining``); ``idle`` says when
-  every accepted request has delivered its final line.
+  every accepted request has delivered its final line (``in_flight``: how many have not).
+  A role change (``engine.worker.role``) does not drain this way: it keeps accepting.
 """
 
 from __future__ import annotations
@@ -187,6 +188,18 @@ class EngineWorker:
     def idle(self) -> bool:
         with self._open_lock:
             return self._open == 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted whose final line is not delivered yet."""
+        with self._open_lock:
+            return self._open
+
+    def set_save_all(self, save_all: bool) -> None:
+        """Whether every request's new full blocks go to the store (a role change: see
+        ``WorkerConfig.saves_all_as``); read by the engine thread at each save decision."""
+        if self.connector is not None:
+            self.connector.save_all = save_all
 
     @property
     def alive(self) -> bool:

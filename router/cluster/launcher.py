@@ -26,7 +26,8 @@ the ``with`` block) ends them in reverse order. Guarantees:
   state, restarts), rewritten on every change; benchmarks read it.
 - Nothing restarts here: :class:`~router.cluster.supervisor.Supervisor` does, over
   :meth:`respawn` and :meth:`is_ready`; :meth:`stop_child` is a stop the cluster asks for
-  itself, which a supervisor leaves stopped.
+  itself, which a supervisor leaves stopped; :meth:`add_worker` starts one more worker
+  (``router.cluster.autoscaler``'s levers, with role changes, live in ``router.cluster.levers``).
 - Nothing process-wide happens in the constructor; signal handling belongs to the CLI.
 
 Threads per worker are set explicitly (``--threads`` and ``OMP_NUM_THREADS``); each role's
@@ -119,9 +120,11 @@ class ClusterSpec:
     ready_timeout: float = 180.0
     stop_timeout: float = 10.0
     worker_args: tuple[str, ...] = ()    # extra flags for every `kvengine serve`
+    router_args: tuple[str, ...] = ()    # extra flags for `kvrouter serve` (its scaling objectives)
     prefill_cpus: str | None = None      # CPU list each role's workers are pinned to
     decode_cpus: str | None = None       # (None: not pinned)
     colocated_cpus: str | None = None
+    workers_by_index: bool = False       # name workers worker-0, worker-1... (their role may change)
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -203,9 +206,10 @@ class LocalCluster:
                  else ["prefill"] * spec.prefill + ["decode"] * spec.decode)
         counts: dict[str, int] = {}
         started = []
-        for role in roles:   # all at once: their start-up (imports, model load) overlaps
+        for i, role in enumerate(roles):   # all at once: their start-up (imports, model load) overlaps
             counts[role] = counts.get(role, 0) + 1
-            started.append(self._spawn_worker(f"{role}-{counts[role] - 1}", role))
+            name = f"worker-{i}" if spec.workers_by_index else f"{role}-{counts[role] - 1}"
+            started.append(self._spawn_worker(name, role))
         for child in started:
             self._wait(child, lambda c=child: self.is_ready(c))
             self.worker_urls[child.name] = child.address
@@ -257,6 +261,13 @@ class LocalCluster:
         self.on_status(f"stopped {name} on request (exit {code})")
         self.write_state()
         return code
+
+    def add_worker(self, role: str) -> ChildProcess:
+        """Start one more worker of ``role`` (``worker-N``, the first free N; an autoscaler's
+        start). Readiness is then :meth:`is_ready`'s to tell."""
+        names = {c.name for c in self.children}
+        n = next(i for i in range(len(names) + 1) if f"worker-{i}" not in names)
+        return self._spawn_worker(f"worker-{n}", role)
 
     def respawn(self, child: ChildProcess) -> None:
         """Start ``child`` again with the same command line, port and environment (its log
@@ -395,6 +406,7 @@ class LocalCluster:
             argv += ["--auto-threshold", str(auto_threshold)]
         if request_log:
             argv += ["--request-log", request_log]
+        argv += list(spec.router_args)
         env = {"TOKENIZERS_PARALLELISM": "false"}
         api_key = api_key or spec.api_key
         if api_key:

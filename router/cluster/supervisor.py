@@ -14,7 +14,9 @@ second until Ctrl-C or SIGTERM (the only things that stop the cluster). Per chil
 - backoff: ``base_delay`` (0.25 s) before the first restart, doubled after every restart that
   did not stay up ``stable_after`` (20 s), at most ``max_delay`` (15 s). A child that never
   comes up is retried forever at ``max_delay``, the console says so each time;
-- a deliberate stop is left stopped: ``stopped`` in ``cluster.json``, no restart.
+- a deliberate stop is left stopped: ``stopped`` in ``cluster.json``, no restart; a child
+  the cluster starts again itself (an autoscaler's start of a worker it had stopped) is
+  watched again from then on.
 
 Every change rewrites the cluster's ``cluster.json`` (each child's state: running,
 restarting, starting, stopped). The metrics live in a registry of the supervisor's own;
@@ -115,6 +117,10 @@ class Supervisor:
         now = self.clock()
         up = self.metrics.up.labels(child.name, child.kind)
         if w.state == "stopped":
+            if child.alive() and not child.deliberate:   # the cluster started it again itself
+                w.state, w.ready_at, w.delay = "running", now, self.base_delay
+                up.set(1)
+                return True
             return False
         if not child.alive() and w.state in ("running", "starting"):
             up.set(0)

@@ -14,7 +14,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /health`` (each dependency: etcd, the store, the workers by role;
-``degraded`` when one is down; 503 only while no worker can decode), ``GET /metrics``. Every
+``degraded`` when one is down; 503 only while no worker can decode), ``GET /metrics``,
+``GET /admin/scaling`` (the per-pool scaling signals and desired counts as JSON,
+``router.scaling.service``; it needs the cluster secret as ``Authorization: Bearer``, or,
+in a cluster without one, what every other path needs). Every
 error, routing's 404 and 405 included, is an OpenAI error body with its status. With
 ``config.api_key`` set, everything but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer <key>``. Admission control: past ``config.max_inflight_requests``
@@ -56,6 +59,7 @@ from router.placement.orchestrator import Orchestrator, StorePrefixFn
 from router.placement.prefill import PrefillPolicy
 from router.placement.serving import ServeRequest, Serving
 from router.request_log import RequestLog
+from router.scaling.service import ScalingService
 from router.workers.client import WorkerError
 from router.workers.pool import WorkerPool
 from router.workers.store import StoreView
@@ -111,15 +115,19 @@ def create_app(
                                 request_log=request_log)
     state = AppState(config, tokenizer or Tokenizer.from_dir(config.model_dir), pool, policy,
                      metrics, orchestrator, store)
+    scaling = ScalingService(pool, metrics, config.scaling, config.mode)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await state.pool.start()
+        scaler = asyncio.create_task(scaling.run(), name="scaling")
         try:
             if state.store is not None:
                 await state.store.start()
             yield
         finally:
+            scaler.cancel()
+            await asyncio.gather(scaler, return_exceptions=True)
             if state.store is not None:
                 await state.store.stop()
             await state.pool.close()
@@ -157,6 +165,12 @@ def create_app(
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
+        if config.cluster_secret and request.url.path.startswith(ADMIN_PREFIX):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.cluster_secret}".encode()):
+                err = Unauthorized("the admin API needs 'Authorization: Bearer <cluster secret>'")
+                return JSONResponse(err.to_json(), status_code=err.status)
+            return await call_next(request)
         if config.api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
@@ -182,6 +196,10 @@ def create_app(
             state.metrics.workers.labels(role).set(
                 sum(1 for w in state.pool.workers() if w.info.role == role))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(ADMIN_PREFIX + "scaling")
+    async def admin_scaling() -> JSONResponse:
+        return JSONResponse(scaling.report())
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
@@ -213,6 +231,8 @@ def create_app(
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Served without the API key (load balancers and scrapers); everything else needs it."""
+ADMIN_PREFIX = "/admin/"
+"""Paths for the cluster's own processes (the autoscaler): the cluster secret, not the API key."""
 
 
 def _http_message(exc: StarletteHTTPException) -> str:

@@ -9,7 +9,12 @@ and a task following the worker's event stream into the shared :class:`KvIndex`.
   the pool's loop; a poll every ``poll_interval`` backs it up): well within a second.
 - A worker whose key disappears (closed, or its lease expired) is dropped: its event task is
   cancelled, its blocks leave the index, its client is closed.
-- A member whose value changes (a restart at a new address) is replaced.
+- A member whose value changes (a restart at a new address) is replaced; one whose value
+  changes only in ``role`` or ``draining`` (``POST /role`` on the worker: the same process)
+  is updated in place, so its event stream, its books and the streams of its requests go on.
+- A draining worker (``WorkerInfo.draining``: it is changing its role and finishes what it
+  holds first) is in no pool: ``prefill_workers`` and ``decode_workers`` leave it out, so it
+  gets no new work, while ``workers()`` still lists it.
 - A member that joins at the address of one already held supersedes it: one port is one
   process, so the old registration is a killed worker's, kept alive by its lease until the
   TTL ends, now pointing at its replacement. The old one is dropped at once (were both kept,
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -162,12 +168,12 @@ class WorkerPool:
         return self._workers.get(worker_id)
 
     def prefill_workers(self, model: str | None = None) -> list[WorkerHandle]:
-        return [w for w in self._workers.values()
-                if w.info.can_prefill and (model is None or w.info.model == model)]
+        return [w for w in self._workers.values() if w.info.can_prefill and not w.info.draining
+                and (model is None or w.info.model == model)]
 
     def decode_workers(self, model: str | None = None) -> list[WorkerHandle]:
-        return [w for w in self._workers.values()
-                if w.info.can_decode and (model is None or w.info.model == model)]
+        return [w for w in self._workers.values() if w.info.can_decode and not w.info.draining
+                and (model is None or w.info.model == model)]
 
     def models(self) -> dict[str, WorkerInfo]:
         """Served model name → one of its workers' info (namespace, block size, context)."""
@@ -190,6 +196,7 @@ class WorkerPool:
             else "etcd unreachable: serving with the last known membership",
             "workers": len(self._workers),
             "roles": roles,
+            "draining": sum(w.info.draining for w in self._workers.values()),
             "synced": sum(self.index.is_synced(wid) for wid in self._workers),
         }
 
@@ -243,6 +250,9 @@ class WorkerPool:
         for wid, value in members.items():
             if self._values.get(wid) == value:
                 continue
+            if wid in self._workers and self._update_in_place(wid, value):
+                changed = True
+                continue
             if wid in self._workers:
                 log.info("worker %s changed; reconnecting", wid)
                 await self._drop(wid)
@@ -262,6 +272,21 @@ class WorkerPool:
         if changed:
             async with self._changed:
                 self._changed.notify_all()
+
+    def _update_in_place(self, worker_id: str, value: Mapping[str, Any]) -> bool:
+        """A held worker's new value that differs in ``role`` or ``draining`` only: the same
+        process changing its role. Its handle takes the new info; True if so."""
+        handle = self._workers[worker_id]
+        try:
+            info = WorkerInfo.from_etcd_value(worker_id, value)
+        except ApiValidationError:
+            return False
+        if dataclasses.replace(handle.info, role=info.role, draining=info.draining) != info:
+            return False
+        log.info("worker %s is now %s%s", worker_id, info.role, " (draining)" if info.draining else "")
+        self._values[worker_id] = value
+        handle.info = handle.load.info = handle.client.info = info
+        return True
 
     def _add(self, info: WorkerInfo) -> None:
         client = WorkerClient(info, timeout=self._client_timeout, headers=self._headers)

@@ -1,0 +1,181 @@
+"""The desired worker count of each pool: a pure state machine with hysteresis and a cool-down.
+
+Each pool has a *pressure*, its signal over its objective (``ScalingConfig``), where 1 is "at
+the objective":
+
+- prefill: ``predicted_ttft_s / ttft_target_s`` of the prefill pool; with no prefill pool (the
+  colocated state: decode workers prefill their own requests), of the decode pool, whose
+  predicted TTFT then counts their local prefills;
+- decode: ``max(itl_s / itl_target_s, kv_utilization / kv_target)``.
+
+What each evaluation proposes, for a pool of ``n`` workers at pressure ``p``:
+
+- ``p >= 1``: more, ``max(n + 1, ceil(n * p))`` (the pool's work spread so that each worker
+  is back at the objective; a pool of none gets one);
+- ``n >= 2`` and ``p * n / (n - 1) <= down_ratio``: one fewer (even without that worker, the
+  pool would stay well below its objective);
+- the prefill pool of one worker, ``p <= idle_ratio`` and colocation allowed (the router's
+  ``auto`` mode): none, the colocated state; from none, one again once the decode pool's
+  own prefills put its TTFT at the objective (``p >= 1``);
+- otherwise ``n``.
+
+The hysteresis: between ``down_ratio`` and 1 nothing is proposed; a proposal must stand at
+every evaluation for ``up_for_s`` (more) or ``down_for_s`` (fewer) before the desired count
+follows it (a load that crosses a threshold and comes back restarts the wait); after every
+change of the desired count, and whenever the pool's actual count changes, nothing moves for
+``cooldown_s`` (the new capacity is measured before the next decision). Time comes from the
+caller (``now``), so tests drive it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from router.scaling.signals import POOLS, Pool, PoolSignals
+
+__all__ = ["ScalingConfig", "PoolPolicy", "Planner", "Decision", "pressures"]
+
+Direction = Literal[-1, 0, 1]
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """The objectives and the hysteresis (module docstring); defaults in one place."""
+
+    ttft_target_s: float = 2.0       # the prefill pool's objective: predicted TTFT
+    itl_target_s: float = 0.15       # the decode pool's: mean inter-token latency ...
+    kv_target: float = 0.8           # ... and KV-cache utilization
+    down_ratio: float = 0.6          # fewer when the pressure without one worker stays at most this
+    idle_ratio: float = 0.3          # a lone prefill worker below this: its work can go colocated
+    up_for_s: float = 10.0           # a proposal of more must stand this long
+    down_for_s: float = 30.0         # one of fewer, this long
+    cooldown_s: float = 30.0         # nothing moves this long after a change
+    window_s: float = 20.0           # the ITL is averaged over this many seconds
+    interval_s: float = 1.0          # the router evaluates this often
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_target_s", "itl_target_s", "kv_target", "interval_s", "window_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.idle_ratio <= self.down_ratio < 1:
+            raise ValueError("need 0 < idle_ratio <= down_ratio < 1 (the hysteresis band is "
+                             f"[down_ratio, 1]), got {self.idle_ratio}, {self.down_ratio}")
+        if min(self.up_for_s, self.down_for_s, self.cooldown_s) < 0:
+            raise ValueError("up_for_s, down_for_s and cooldown_s must be >= 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pressures(signals: dict[Pool, PoolSignals], config: ScalingConfig) -> dict[Pool, float]:
+    """Each pool's pressure (module docstring)."""
+    pre, dec = signals["prefill"], signals["decode"]
+    ttft = pre.predicted_ttft_s if pre.workers else dec.predicted_ttft_s
+    itl = dec.itl_s or 0.0
+    return {"prefill": ttft / config.ttft_target_s,
+            "decode": max(itl / config.itl_target_s, dec.kv_utilization / config.kv_target)}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One pool's outcome of an evaluation: the desired count, what was proposed, the
+    pressure behind it, and what holds it (``cooldown``, ``waiting up 4.0/10 s``, ...)."""
+
+    pool: Pool
+    workers: int
+    desired: int
+    proposed: int
+    pressure: float
+    state: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "pressure": round(self.pressure, 4)}
+
+
+@dataclass
+class PoolPolicy:
+    """One pool's state machine (module docstring). ``min_workers``: the least it may be
+    proposed (1 for decode; for prefill 0 when colocation is allowed, else 1)."""
+
+    pool: Pool
+    config: ScalingConfig
+    min_workers: int = 0
+    desired: int | None = None
+    _observed: int | None = None
+    _quiet_until: float = -math.inf
+    _pending: tuple[Direction, float] | None = None
+    _last: Decision | None = field(default=None, repr=False)
+
+    def propose(self, n: int, pressure: float) -> int:
+        """What this evaluation proposes for ``n`` workers at ``pressure``."""
+        c = self.config
+        if pressure >= 1.0:
+            out = max(n + 1, math.ceil(n * pressure - 1e-9))
+        elif n >= 2 and pressure * n / (n - 1) <= c.down_ratio:
+            out = n - 1
+        elif n == 1 and self.pool == "prefill" and self.min_workers == 0 and pressure <= c.idle_ratio:
+            out = 0
+        else:
+            out = n
+        return max(out, self.min_workers)
+
+    def step(self, now: float, n: int, pressure: float) -> Decision:
+        """One evaluation at time ``now`` with ``n`` workers in the pool now."""
+        c = self.config
+        if self.desired is None or n != self._observed:
+            if self.desired is None:
+                self.desired = max(n, self.min_workers)
+            if self._observed is not None:   # capacity changed: measure it before deciding
+                self._quiet_until = max(self._quiet_until, now + c.cooldown_s)
+            self._observed, self._pending = n, None
+        proposed = self.propose(n, pressure)
+        if now < self._quiet_until:
+            self._pending = None
+            return self._decide(n, proposed, pressure, f"cooldown {self._quiet_until - now:.1f} s")
+        direction: Direction = 1 if proposed > self.desired else -1 if proposed < self.desired else 0
+        if direction == 0:
+            self._pending = None
+            return self._decide(n, proposed, pressure, "steady")
+        if self._pending is None or self._pending[0] != direction:
+            self._pending = (direction, now)
+        waited = now - self._pending[1]
+        need = c.up_for_s if direction > 0 else c.down_for_s
+        if waited < need:
+            return self._decide(n, proposed, pressure,
+                                f"waiting {'up' if direction > 0 else 'down'} {waited:.1f}/{need:g} s")
+        self.desired, self._pending = proposed, None
+        self._quiet_until = now + c.cooldown_s
+        return self._decide(n, proposed, pressure, "changed")
+
+    def _decide(self, n: int, proposed: int, pressure: float, state: str) -> Decision:
+        assert self.desired is not None
+        self._last = Decision(self.pool, n, self.desired, proposed, pressure, state)
+        return self._last
+
+
+class Planner:
+    """Both pools' policies; ``evaluate(now, signals)`` is one evaluation. ``colocated_ok``:
+    the prefill pool may go to none (the router's ``auto`` mode, where decode workers
+    prefill their own requests when no prefill worker is there). In ``colocated`` mode
+    (``prefill_used`` False) the prefill pool is never asked for."""
+
+    def __init__(self, config: ScalingConfig, *, colocated_ok: bool = True,
+                 prefill_used: bool = True) -> None:
+        self.config = config
+        self.prefill_used = prefill_used
+        self.policies = {
+            "prefill": PoolPolicy("prefill", config, min_workers=0 if colocated_ok or not prefill_used else 1),
+            "decode": PoolPolicy("decode", config, min_workers=1)}
+
+    def evaluate(self, now: float, signals: dict[Pool, PoolSignals]) -> dict[Pool, Decision]:
+        p = pressures(signals, self.config)
+        out: dict[Pool, Decision] = {}
+        for pool in POOLS:
+            n = signals[pool].workers
+            if pool == "prefill" and not self.prefill_used:
+                out[pool] = Decision(pool, n, 0, 0, p[pool], "not used in colocated mode")
+                continue
+            out[pool] = self.policies[pool].step(now, n, p[pool])
+        return out
