@@ -1,0 +1,198 @@
+"""The simulator's mechanics (planner.sim) on a synthetic profile whose every time is known.
+
+Profile: a prefill step costs 0.1 s + 1 ms a token (no attention term); a decode step 0.05 s
++ 0.01 s a sequence (no context term); a store load 2 ms + 1 ms per 737,280-byte block, a save
+1 ms + 2 ms a block. So a 100-token prompt alone takes 0.2 s to prefill and each token after
+it 0.06 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.profile import format as pf
+from planner.sim.cluster import SimCluster
+from planner.sim.config import ClusterConfig, from_up_flags, parse_bytes
+from planner.sim.costs import StepCosts
+from planner.sim.run import Profiles, simulate_point, unloaded
+from planner.sim.store import SimStore
+from planner.sim.worker import WorkerSpec
+from planner.workloads import BenchRequest, TokenSpace, Workload
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 737280
+
+
+def profile(threads: int = 1) -> pf.Profile:
+    pre = [pf.PrefillPoint(n, 0, 0, 0.1 + 0.001 * n) for n in (16, 64, 256, 1024)]
+    dec = [pf.DecodePoint(b, c, 0.05 + 0.01 * b) for b in (1, 4, 16) for c in (128, 1024)]
+    load = [pf.TransferPoint(n, n * BLOCK, 0.002 + 0.001 * n) for n in (1, 4, 16)]
+    save = [pf.TransferPoint(n, n * BLOCK, 0.001 + 0.002 * n) for n in (1, 4, 16)]
+    model = pf.ModelShape("synthetic", "llama", 30, 9, 3, 64, 576, 1536, 49152, "float32", 16,
+                          BLOCK // 16, BLOCK)
+    hw = pf.Hardware("cpu", "test", 2, threads, "x", "x", "native")
+    curves = {n: pf.Curve(tuple(p), pf.fit_curve(n, p)) for n, p in
+              (("prefill", pre), ("decode", dec), ("store_load", load), ("store_save", save))}
+    return pf.Profile(hw, model, pf.StoreInfo("shm", "synthetic"), curves)
+
+
+PROFILES = Profiles([profile()])
+SPACE = TokenSpace()
+
+
+def colocated(**kw) -> ClusterConfig:
+    return ClusterConfig(name="colo", mode="colocated", prefill=0, decode=0, colocated=kw.pop("n", 1),
+                         colocated_spec=WorkerSpec(role="colocated", **kw), store_memory_bytes=1 << 30)
+
+
+def split(p: int = 1, d: int = 1, **kw) -> ClusterConfig:
+    return ClusterConfig(name="split", prefill=p, decode=d, prefill_spec=WorkerSpec(role="prefill", **kw),
+                         decode_spec=WorkerSpec(role="decode", **kw), store_memory_bytes=1 << 30)
+
+
+def prompt(n: int, start: int = 1000) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def run(config: ClusterConfig, reqs: list[BenchRequest], **kw):
+    return SimCluster(config, PROFILES.costs_for).run_workload(reqs, **kw)
+
+
+def test_step_costs_follow_the_profile() -> None:
+    c = StepCosts(profile())
+    assert c.prefill_s(100) == pytest.approx(0.2, rel=1e-6)
+    assert c.prefill_s(100, chunk=50) == pytest.approx(0.3, rel=1e-6)  # two overheads
+    for b in (1, 4, 16):   # measured points come back exactly; between them, interpolated
+        assert c.decode_s(b, 128) == pytest.approx(0.05 + 0.01 * b, rel=1e-6)
+    assert c.decode_s(8, 600) == pytest.approx(0.13, rel=1e-6)
+    assert c.decode_s(32, 128) == pytest.approx(0.37, rel=1e-3)   # beyond the grid: the fit
+    assert c.step_s([128, 128], [(10, 0)]) == pytest.approx(0.07 + 0.01, rel=1e-6)
+    assert c.load_s(4) == pytest.approx(0.006) and c.save_s(4) == pytest.approx(0.009)
+    assert c.load_s(0) == c.save_s(0) == 0.0
+
+
+def test_one_colocated_request_costs_a_prefill_then_decode_steps() -> None:
+    out = run(colocated(), [BenchRequest("a", prompt(100), 5)])
+    (r,) = out.results
+    assert r.ok and r.output_tokens == 5
+    assert r.ttft_s == pytest.approx(0.2, rel=1e-6)
+    assert r.tpot_s == pytest.approx(0.06, rel=1e-6)
+    # The worker saves its 6 full blocks (colocated workers save all); the final line waits.
+    assert r.e2e_s == pytest.approx(0.2 + 4 * 0.06, rel=1e-6)
+    assert out.routes == {"colocated": 1} and out.computed_prompt_tokens == 100
+
+
+def test_disaggregated_hands_the_prompt_over_through_the_store() -> None:
+    out = run(split(), [BenchRequest("a", prompt(100), 4)])
+    (r,) = out.results
+    assert r.ok and r.output_tokens == 4 and out.routes == {"disaggregated": 1}
+    # The first token waits for the 6 full blocks' save (one batch at the prefill's end).
+    assert r.ttft_s == pytest.approx(0.2 + 0.001 + 0.002 * 6, rel=1e-6)
+    # The decode worker loads the 6 blocks (2 ms + 6 ms), computes the last 4 prompt tokens and
+    # the first output (a 5-token chunk: 0.105 s), then decodes two more (0.06 s each).
+    assert r.itl_s[0] == pytest.approx(0.008 + 0.1 + 0.005, rel=1e-6)
+    assert r.itl_s[1:] == pytest.approx([0.06, 0.06], rel=1e-6)
+    assert out.worker_steps["prefill-0"] == 1 and out.worker_steps["decode-0"] == 3
+
+
+def test_a_shared_prefix_hits_the_device_cache_and_kv_aware_routing_follows_it() -> None:
+    shared = prompt(320)
+    reqs = [BenchRequest("a", shared + prompt(20, 5000), 2, 0.0),
+            BenchRequest("b", prompt(300, 9000), 2, 0.0),
+            BenchRequest("c", shared + prompt(20, 7000), 2, 5.0)]
+    out = run(colocated(n=1), reqs)
+    byid = {r.request_id: r for r in out.results}
+    assert byid["c"].cached_tokens == 320 and byid["a"].cached_tokens == 0
+    two = split(p=2, d=1)
+    sim = SimCluster(two, PROFILES.costs_for)
+    res = sim.run_workload(reqs)
+    assert all(r.ok for r in res.results)
+    # "c" went where "a" was prefilled: its 20 blocks are in that worker's device cache.
+    assert res.device_hit_tokens == 320
+
+
+def test_store_is_lru_under_its_capacity() -> None:
+    s = SimStore(3)
+    s.put([b"a", b"b", b"c"])
+    assert s.prefix_len([b"a", b"b", b"x"]) == 2     # touches a and b
+    s.put([b"d"])                                    # evicts c, the least recently used
+    assert s.peek_prefix_len([b"c"]) == 0 and s.peek_prefix_len([b"a", b"b", b"d"]) == 3
+    assert len(s) == 3 and s.evictions == 1
+    assert SimStore.of_bytes(parse_bytes("2G"), BLOCK).capacity_blocks == (2 << 30) // (BLOCK + 64)
+
+
+def test_the_clients_deadline_cancels_what_is_in_flight() -> None:
+    reqs = [BenchRequest(f"r{i}", prompt(100, 1000 + 200 * i), 200, 0.1 * i) for i in range(5)]
+    out = run(colocated(), reqs, max_duration_s=0.25, grace_s=1.0)
+    assert out.not_sent == 2                      # sent at 0.3 and 0.4 s: past the 0.25 s bound
+    assert len(out.results) == 3 and all(r.error and "cancelled" in r.error for r in out.results)
+    assert out.duration_s == pytest.approx(1.25)
+
+
+def test_follow_ups_wait_for_the_request_they_follow() -> None:
+    reqs = [BenchRequest("t0", prompt(50), 3), BenchRequest("t1", prompt(80), 3, after="t0", delay_s=1.0)]
+    out = run(colocated(), reqs)
+    r0, r1 = sorted(out.results, key=lambda r: r.request_id)
+    assert r1.sent_s == pytest.approx(r0.e2e_s + 1.0)
+    assert r1.cached_tokens == 48                 # t0's 3 full blocks
+
+
+def test_unloaded_probes_and_a_point_give_the_sweeps_figures() -> None:
+    cfg = colocated()
+    u = unloaded(cfg, PROFILES, SPACE, (64, 16), n=3)
+    assert u.ttft_s == pytest.approx(0.164, rel=1e-6) and u.tpot_s == pytest.approx(0.06, rel=1e-6)
+    reqs = [BenchRequest(f"r{i}", SPACE.random(__import__("numpy").random.default_rng(i), 64), 16, 0.5 * i)
+            for i in range(20)]
+    pt = simulate_point(cfg, PROFILES, Workload("w", reqs), u.slo(5, 2), max_duration_s=30, grace_s=10)
+    assert pt.summary.completed == 20 and pt.summary.attainment == 1.0
+    again = simulate_point(cfg, PROFILES, Workload("w", reqs), u.slo(5, 2), max_duration_s=30, grace_s=10)
+    assert again.summary == pt.summary   # deterministic
+
+
+def test_up_flags_round_trip() -> None:
+    c = from_up_flags("x", "--mode colocated --threads-per-worker 2 --colocated-cpus 0,1 "
+                           "--worker-arg=--num-blocks=512 --worker-arg=--no-chunked-prefill "
+                           "--worker-arg=--max-num-batched-tokens=2048 --store-memory 2G")
+    s = c.colocated_spec
+    assert (c.mode, c.colocated, s.threads, s.num_blocks, s.enable_chunked_prefill) == ("colocated", 1, 2, 512, False)
+    assert c.store_memory_bytes == 2 << 30
+    back = from_up_flags("y", c.up_command().split(" ", 2)[2])
+    assert back.colocated_spec == s and back.mode == c.mode
+    d = from_up_flags("d", "--prefill 2 --decode 3 --worker-arg=--num-blocks=100")
+    assert (d.prefill, d.decode, d.decode_spec.num_blocks, d.prefill_spec.role) == (2, 3, 100, "prefill")
+    with pytest.raises(ValueError):
+        ClusterConfig(mode="colocated", colocated=0)
+
+
+def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
+    prof = pf.save(profile(1), tmp_path / "p1.json")
+    pf.save(profile(2), tmp_path / "p2.json")
+    common = ["--profile", str(prof), "--profile", str(tmp_path / "p2.json"), "--workload", "mixed",
+              "--mixed-long-prompt", "1000", "--rates", "0.5,2", "--point-seconds", "20", "--no-progress"]
+    out = tmp_path / "sim"
+    p = subprocess.run([sys.executable, "-m", "planner.cli", "simulate", "--config", "split=--prefill 1 --decode 1",
+                        "--config", "colo=--mode colocated --threads-per-worker 2", *common, "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rec["simulated"] and set(rec["configs"]) == {"split", "colo"}
+    assert [pt["rate"] for pt in rec["configs"]["split"]["curve"]] == [0.5, 2.0]
+    assert (out / "simulate.json").is_file() and (out / "goodput_vs_rate.png").stat().st_size > 0
+    p = subprocess.run([sys.executable, "-m", "planner.cli", "recommend", "--devices", "2", "--chunks", "0,256",
+                        *common, "--out", str(tmp_path / "rec")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(p.stdout.strip().splitlines()[-1])
+    names = [r["name"] for r in rec["ranked"]]
+    assert set(names) == {"colo1x2t_nochunk", "colo1x2t_chunk256", "colo2x1t_nochunk", "colo2x1t_chunk256",
+                          "split1p1d_chunk256"}
+    assert rec["best"]["name"] == names[0] and "kvrouter up" in rec["best"]["command"]
+    assert all(math.isfinite(r["goodput_per_device"]) for r in rec["ranked"])
+    assert "run it: kvrouter up" in p.stderr
+    assert argparse  # (the parser module is exercised through the CLI)
