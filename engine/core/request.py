@@ -82,7 +82,10 @@ class Request:
         block_size: int,
         output_token_ids: Sequence[int] = (),
         arrival_time: float | None = None,
+        prefix_keys: Sequence[BlockKey] = (),
     ) -> None:
+        """``prefix_keys``: keys of the first full blocks of the tokens, when the caller has
+        them already (hashed under the same namespace); only the blocks after them are hashed."""
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.namespace = namespace
@@ -97,7 +100,9 @@ class Request:
         # Blocks with index < this were offered to the connector for saving or came from it.
         self.num_offered_blocks = 0
         self.output_logprobs: list[TokenLogprob] = []
-        self.block_keys: list[BlockKey] = block_keys(namespace, self.token_ids, block_size)
+        self.block_keys: list[BlockKey] = (
+            extend_block_keys(namespace, prefix_keys, self.token_ids, block_size) if prefix_keys
+            else block_keys(namespace, self.token_ids, block_size))
         self.stats = RequestProgress()
         if arrival_time is not None:
             self.stats.arrival_time = arrival_time

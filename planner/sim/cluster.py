@@ -187,7 +187,7 @@ class SimCluster:
             phase = "full"
         hop = self.config.hop_s
         self.at(t + hop, lambda: w.submit(self.now, c, phase, c.bench.prompt, (), c.bench.max_tokens,
-                                          books, c.namespace))
+                                          books, c.namespace, c.keys))
 
     def _decode_phase(self, c: Choice, t: float) -> None:
         remaining = c.bench.max_tokens - c.delivered
@@ -202,7 +202,7 @@ class SimCluster:
                               blocks=blocks_needed(n + c.delivered, remaining, self.block_size))
         outputs = (OUTPUT_TOKEN,) * c.delivered
         self.at(t + self.config.hop_s, lambda: w.submit(self.now, c, "decode", c.bench.prompt, outputs,
-                                                        c.bench.max_tokens, books, c.namespace))
+                                                        c.bench.max_tokens, books, c.namespace, c.keys))
 
     # --- what workers report -----------------------------------------------------------
     def _deliver(self, c: Choice, t: float) -> None:

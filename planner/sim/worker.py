@@ -180,13 +180,15 @@ class SimWorker:
 
     # --- requests --------------------------------------------------------------------------
     def submit(self, t: float, choice: Any, phase: Phase, prompt: Sequence[int],
-               outputs: Sequence[int], max_tokens: int, books: Any, namespace: BlockKey) -> None:
-        """A phase arrives at this worker at ``t`` (``namespace``: the salted one)."""
+               outputs: Sequence[int], max_tokens: int, books: Any, namespace: BlockKey,
+               keys: Sequence[BlockKey] = ()) -> None:
+        """A phase arrives at this worker at ``t`` (``namespace``: the salted one; ``keys``: the
+        prompt's block keys the router computed, so they are hashed once)."""
         rid = f"{choice.request_id}/{phase}/{len(outputs)}"
         n_max = len(outputs) + 1 if phase == "prefill" else max_tokens
         params = SamplingParams(max_tokens=n_max, temperature=0.0, ignore_eos=True)
         req = Request(rid, prompt, params, namespace=namespace, block_size=self.spec.block_size,
-                      output_token_ids=outputs, arrival_time=t)
+                      output_token_ids=outputs, arrival_time=t, prefix_keys=keys)
         self.phases[rid] = PhaseState(choice, phase, req, books)
         self.scheduler.add(req)
         self.wake(t)

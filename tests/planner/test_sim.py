@@ -196,3 +196,17 @@ def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
     assert all(math.isfinite(r["goodput_per_device"]) for r in rec["ranked"])
     assert "run it: kvrouter up" in p.stderr
     assert argparse  # (the parser module is exercised through the CLI)
+
+
+def test_a_request_given_its_prefix_keys_hashes_only_the_rest() -> None:
+    from engine.api.generate import SamplingParams
+    from engine.core.request import Request
+    from kvstore.keys import BlockKey, block_keys
+
+    ns = BlockKey(b"0123456789abcdef")
+    toks = list(range(100, 150))
+    whole = Request("a", toks, SamplingParams(max_tokens=2), namespace=ns, block_size=16,
+                    output_token_ids=[7, 7])
+    given = Request("b", toks, SamplingParams(max_tokens=2), namespace=ns, block_size=16,
+                    output_token_ids=[7, 7], prefix_keys=block_keys(ns, toks, 16))
+    assert given.block_keys == whole.block_keys and len(whole.block_keys) == 3
