@@ -42,38 +42,35 @@ __all__ = ["candidates", "recommend", "add_recommend_parser", "run_recommend", "
 
 def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, max_model_len: int,
                store_memory: int, policy: str = "kv-aware", salt: bool = False,
-               max_workers: int = 64) -> list[ClusterConfig]:
+               max_workers: int = 64, prefill_shares: list[float] | None = None,
+               per_worker_blocks: bool = False, max_num_seqs: int = 64) -> list[ClusterConfig]:
     """Every configuration that fits ``devices`` (module docstring); KV blocks are split
-    evenly, so each candidate holds ``num_blocks`` device blocks in all."""
+    evenly, so each candidate holds ``num_blocks`` device blocks in all (``per_worker_blocks``:
+    each worker holds ``num_blocks``, as a GPU's memory does). ``prefill_shares`` limits the
+    splits to those prefill shares of the workers (rounded; default every split)."""
     out: list[ClusterConfig] = []
     slots = min(devices // threads, max_workers)
     if slots < 1:
         raise ValueError(f"{devices} devices cannot hold one worker of {threads} threads")
     for chunk in chunks:
         base = WorkerSpec(max_model_len=max_model_len, max_num_batched_tokens=chunk or 2048,
-                          enable_chunked_prefill=chunk > 0)
+                          enable_chunked_prefill=chunk > 0, max_num_seqs=max_num_seqs)
+        share = (lambda k: num_blocks) if per_worker_blocks else (lambda k: num_blocks // k)  # noqa: E731
         tag = f"chunk{chunk}" if chunk else "nochunk"
         # One colocated worker with every device, and fleets of smaller ones.
-        # A fleet of k > 1 is what `kvrouter up` runs as --mode auto with no prefill worker:
-        # decode workers that prefill every prompt themselves (and save to the store).
         for k in sorted({1, slots}):
             t = devices if k == 1 else threads
-            if k == 1:
-                spec = dataclasses.replace(base, role="colocated", threads=t, num_blocks=num_blocks)
-                out.append(ClusterConfig(name=f"colo1x{t}t_{tag}", mode="colocated", prefill=0, decode=0,
-                                         colocated=1, colocated_spec=spec, policy=policy,
-                                         store_memory_bytes=store_memory, salt_per_request=salt))
-            else:
-                spec = dataclasses.replace(base, role="decode", threads=t, num_blocks=num_blocks // k,
-                                           save_all=True)
-                out.append(ClusterConfig(name=f"colo{k}x{t}t_{tag}", mode="auto", prefill=0, decode=k,
-                                         decode_spec=spec, auto_threshold=10**9, policy=policy,
-                                         store_memory_bytes=store_memory, salt_per_request=salt))
+            spec = dataclasses.replace(base, role="colocated", threads=t, num_blocks=share(k))
+            out.append(ClusterConfig(name=f"colo{k}x{t}t_{tag}", mode="colocated", prefill=0, decode=0,
+                                     colocated=k, colocated_spec=spec, policy=policy,
+                                     store_memory_bytes=store_memory, salt_per_request=salt))
         if chunk == 0:
             continue
-        for p in range(1, slots):
+        splits = range(1, slots) if prefill_shares is None else sorted(
+            {min(max(round(f * slots), 1), slots - 1) for f in prefill_shares} if slots > 1 else set())
+        for p in splits:
             d = slots - p
-            each = num_blocks // (p + d)
+            each = share(p + d)
             out.append(ClusterConfig(
                 name=f"split{p}p{d}d_{tag}", mode="disaggregated", prefill=p, decode=d,
                 prefill_spec=dataclasses.replace(base, role="prefill", threads=threads, num_blocks=each),

@@ -80,7 +80,18 @@ class ClusterConfig:
         return f"{self.prefill}P:{self.decode}D" + (" auto" if self.mode == "auto" else "")
 
     def up_command(self, model: str = "default", port: int = 8000) -> str:
-        """The ``kvrouter up`` command that starts this configuration for real."""
+        """The ``kvrouter up`` command that starts this configuration for real (a fleet of
+        several colocated workers, which ``kvrouter up`` does not start: the ``kvengine serve``
+        and ``kvrouter serve`` commands)."""
+        if self.mode == "colocated" and self.colocated > 1:
+            s = self.colocated_spec
+            flags = [f"--num-blocks {s.num_blocks}", f"--max-num-batched-tokens {s.max_num_batched_tokens}"]
+            if s.threads > 1:
+                flags.append(f"--threads {s.threads}")
+            if not s.enable_chunked_prefill:
+                flags.append("--no-chunked-prefill")
+            return (f"{self.colocated} x `kvengine serve --role colocated --model {model} --etcd URL "
+                    f"{' '.join(flags)}`, then `kvrouter serve --mode colocated --etcd URL --policy {self.policy}`")
         argv = ["kvrouter", "up", "--model", model, "--port", str(port), "--mode", self.mode]
         spec = (self.colocated_spec if self.mode == "colocated"
                 else self.prefill_spec if self.prefill else self.decode_spec)
