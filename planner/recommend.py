@@ -118,7 +118,10 @@ def recommend(cands: list[ClusterConfig], profiles: Profiles, args: argparse.Nam
         row = {"name": c.name, "label": c.label(), "devices": n, "max_rate_90": rate,
                "goodput_per_device": rate / n, "why": _why(rec, target), "command": c.up_command(),
                "curve": [{"rate": p["rate"], "attainment": p["summary"]["attainment"],
-                          "goodput": p["summary"]["goodput"]} for p in rec["points"]],
+                          "goodput": p["summary"]["goodput"],
+                          "ttft_p90": (p["summary"]["ttft_s"] or {}).get("p90"),
+                          "tpot_p90": (p["summary"]["tpot_s"] or {}).get("p90"),
+                          "attainment_at_scale": p["attainment_at_scale"]} for p in rec["points"]],
                "slo": rec["slo"]}
         ranked.append(row)
         if on_candidate:
@@ -170,7 +173,12 @@ def add_recommend_parser(sub: Any) -> None:
                    help="CPU profiles: threads (CPUs) of each worker in a fleet (default 1)")
     r.add_argument("--chunks", default="0,256,2048",
                    help="per-step token budgets to try; 0 is chunked prefill off (default %(default)s)")
-    r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks of the whole fleet (default 512)")
+    r.add_argument("--num-blocks", type=int, default=512,
+                   help="device KV blocks of the whole fleet on a CPU budget, of each GPU on a GPU one (default 512)")
+    r.add_argument("--max-num-seqs", type=int, default=64, help="each worker's most running requests (default 64)")
+    r.add_argument("--prefill-shares", default=None,
+                   help="try only the splits with these prefill shares of the workers, e.g. 0.25,0.5,0.75 "
+                        "(default: every split)")
     r.add_argument("--store-memory", default="2G", help="the store's memory (default 2G)")
     r.add_argument("--policy", default="kv-aware", help="the router's prefill policy (default kv-aware)")
     r.add_argument("--attainment", type=float, default=0.9,
@@ -190,9 +198,10 @@ def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
     profiles = Profiles.from_files(args.profile)
     gpu = all(p.hardware.device == "cuda" for p in profiles.profiles)
     chunks = [int(c) for c in args.chunks.split(",")]
+    shares = [float(x) for x in args.prefill_shares.split(",")] if args.prefill_shares else None
     cands = candidates(args.devices, 1 if gpu else args.threads_per_worker, chunks, args.num_blocks,
                        args.max_context, parse_bytes(args.store_memory), args.policy, args.salt_per_request,
-                       args.max_workers)
+                       args.max_workers, shares, per_worker_blocks=gpu, max_num_seqs=args.max_num_seqs)
     s = settings_from_args(args)
     workload = None
     if args.request_log:
