@@ -26,4 +26,6 @@ flags)::
     .venv/bin/python -m benchmarks.chaos_bench      # a cluster under load while its processes are killed
     .venv/bin/python -m benchmarks.handoff_bench    # the P->D handoff across hosts: one hop vs rendezvous
     .venv/bin/python -m benchmarks.lmcache_bench    # LMCache through our plugin vs its lm:// server and Mooncake
+    .venv/bin/python -m benchmarks.sim_fidelity     # kvplan's simulator against repeated compare runs
+    .venv/bin/python -m benchmarks.fleet_sim        # simulated GPU fleets on the Mooncake trace (a simulation)
 """

@@ -43,11 +43,13 @@ __all__ = ["candidates", "recommend", "add_recommend_parser", "run_recommend", "
 def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, max_model_len: int,
                store_memory: int, policy: str = "kv-aware", salt: bool = False,
                max_workers: int = 64, prefill_shares: list[float] | None = None,
-               per_worker_blocks: bool = False, max_num_seqs: int = 64) -> list[ClusterConfig]:
+               per_worker_blocks: bool = False, max_num_seqs: int = 64,
+               max_colocated: int = 0) -> list[ClusterConfig]:
     """Every configuration that fits ``devices`` (module docstring); KV blocks are split
     evenly, so each candidate holds ``num_blocks`` device blocks in all (``per_worker_blocks``:
     each worker holds ``num_blocks``, as a GPU's memory does). ``prefill_shares`` limits the
-    splits to those prefill shares of the workers (rounded; default every split)."""
+    splits to those prefill shares of the workers (rounded; default every split);
+    ``max_colocated`` > 0 caps the colocated fleets' size (``kvrouter up`` starts one)."""
     out: list[ClusterConfig] = []
     slots = min(devices // threads, max_workers)
     if slots < 1:
@@ -58,7 +60,7 @@ def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, m
         share = (lambda k: num_blocks) if per_worker_blocks else (lambda k: num_blocks // k)  # noqa: E731
         tag = f"chunk{chunk}" if chunk else "nochunk"
         # One colocated worker with every device, and fleets of smaller ones.
-        for k in sorted({1, slots}):
+        for k in sorted({1, slots} if not max_colocated else {1, min(slots, max_colocated)}):
             t = devices if k == 1 else threads
             spec = dataclasses.replace(base, role="colocated", threads=t, num_blocks=share(k))
             out.append(ClusterConfig(name=f"colo{k}x{t}t_{tag}", mode="colocated", prefill=0, decode=0,
@@ -184,6 +186,8 @@ def add_recommend_parser(sub: Any) -> None:
     r.add_argument("--attainment", type=float, default=0.9,
                    help="the attainment a rate must keep to count (default 0.9)")
     r.add_argument("--max-workers", type=int, default=64, help="the most workers a candidate may have")
+    r.add_argument("--max-colocated", type=int, default=0,
+                   help="the most workers of a colocated fleet; 1 for what `kvrouter up` runs (default: no cap)")
     r.add_argument("--request-log", default=None,
                    help="replay a router request log instead of --workload (arrivals and lengths as logged)")
     r.add_argument("--no-progress", action="store_true", help="no per-candidate lines on stderr")
@@ -201,7 +205,8 @@ def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
     shares = [float(x) for x in args.prefill_shares.split(",")] if args.prefill_shares else None
     cands = candidates(args.devices, 1 if gpu else args.threads_per_worker, chunks, args.num_blocks,
                        args.max_context, parse_bytes(args.store_memory), args.policy, args.salt_per_request,
-                       args.max_workers, shares, per_worker_blocks=gpu, max_num_seqs=args.max_num_seqs)
+                       args.max_workers, shares, per_worker_blocks=gpu, max_num_seqs=args.max_num_seqs,
+                       max_colocated=args.max_colocated)
     s = settings_from_args(args)
     workload = None
     if args.request_log:

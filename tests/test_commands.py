@@ -1,4 +1,4 @@
-"""The three commands as a new user meets them: ``--version`` on each, and a help text on every
+"""The four commands as a new user meets them: ``--version`` on each, and a help text on every
 flag of every subcommand (parsers built without side effects)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 from tests.cli_help import flags_without_help
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"kvstore": "kvstore.daemon.cli", "kvengine": "engine.worker.cli", "kvrouter": "router.cli"}
+COMMANDS = {"kvstore": "kvstore.daemon.cli", "kvengine": "engine.worker.cli", "kvrouter": "router.cli",
+            "kvplan": "planner.cli"}
 
 
 @pytest.mark.parametrize("command", COMMANDS)
