@@ -175,8 +175,9 @@ _SCALING_FLAGS = (   # (flag, ScalingConfig field, help)
     ("--scale-itl-target", "itl_target_s", "the decode pool's objective: mean inter-token latency, seconds"),
     ("--scale-kv-target", "kv_target", "the decode pool's objective: KV-cache utilization (0..1)"),
     ("--scale-down-ratio", "down_ratio", "a pool loses a worker when its pressure without it stays at most this"),
-    ("--scale-idle-ratio", "idle_ratio", "a lone prefill worker under this pressure hands its work to the "
-                                         "decode workers (auto mode: the colocated state)"),
+    ("--scale-prefill-share", "prefill_share_target", "the colocated state's objective: the share of the "
+                                                      "decode workers' time prefill may take before a "
+                                                      "prefill worker is split off (auto mode)"),
     ("--scale-up-for", "up_for_s", "seconds a proposal of more workers must stand before it is desired"),
     ("--scale-down-for", "down_for_s", "seconds a proposal of fewer workers must stand"),
     ("--scale-cooldown", "cooldown_s", "seconds nothing moves after a pool's count or desired count changed"),

@@ -9,7 +9,7 @@ registration says the new role; a line ``kvengine role worker_id=ID role=R previ
 drain_s=S`` is printed when it took effect.
 
 Lifecycle: SIGTERM (or SIGINT) starts a drain: the registration says ``"draining": true``
-(routers send it nothing new), 0.3 s later new ``/generate`` requests get 503 and
+(routers send it nothing new), 0.2 s later new ``/generate`` requests get 503 and
 ``/health`` says "draining"; running requests finish (up to ``--drain-timeout``); then the
 worker deregisters from etcd, closes its event streams and exits 0. Start-up problems (no
 checkpoint, unreachable store or etcd, an unreadable secret file, a non-loopback ``--host``
@@ -57,7 +57,7 @@ __all__ = ["main", "build_parser", "config_from_args", "serve"]
 
 log = logging.getLogger("kvengine")
 
-_STOP_SETTLE_S = 0.3   # on SIGTERM, between "draining" in etcd and refusing (routers catch up)
+_STOP_SETTLE_S = 0.2   # on SIGTERM, between "draining" in etcd and refusing (routers catch up)
 
 
 def build_parser() -> argparse.ArgumentParser:

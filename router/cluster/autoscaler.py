@@ -71,6 +71,7 @@ class AutoscalerMetrics:
     """The autoscaler's collectors, in the launcher's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.actions = Counter("kvrouter_up_autoscale_actions",
                                "Autoscaler actions: role changes, starts and stops of workers",
                                ["action", "role"], registry=registry)

@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -65,6 +66,7 @@ __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_p
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SECRET_FILE_NAME = "cluster-secret"     # in the log directory, 0600
 STATE_FILE_NAME = "cluster.json"        # in the log directory: what runs now
+_WORKER_KINDS = frozenset({"prefill", "decode", "colocated"})
 
 
 class LaunchError(RuntimeError):
@@ -225,12 +227,18 @@ class LocalCluster:
         raise KeyError(f"no child named {name!r}; have {[c.name for c in self.children]}")
 
     def stop(self) -> None:
-        """Stop every child, the last started first; idempotent."""
-        for child in reversed(self.children):
-            if child.proc is not None and child.proc.returncode is None:
-                child.deliberate = True
-                code = child.stop(self.spec.stop_timeout)
-                self.on_status(f"stopped {child.name} (exit {code})")
+        """Stop every child, the last started first (workers side by side: each is told at
+        once, then each is waited for, so their drains overlap); idempotent."""
+        live = [c for c in reversed(self.children) if c.proc is not None and c.proc.returncode is None]
+        for i, child in enumerate(live):
+            child.deliberate = True
+            if child.kind in _WORKER_KINDS:   # its fellow workers next in line hear it now too
+                for other in live[i:]:
+                    if other.kind not in _WORKER_KINDS:
+                        break
+                    other.signal_group(signal.SIGTERM)
+            code = child.stop(self.spec.stop_timeout)
+            self.on_status(f"stopped {child.name} (exit {code})")
         self.children.clear()
         self._http.close()
         if self._etcd_client is not None:

@@ -3,9 +3,11 @@
 Each pool has a *pressure*, its signal over its objective (``ScalingConfig``), where 1 is "at
 the objective":
 
-- prefill: ``predicted_ttft_s / ttft_target_s`` of the prefill pool; with no prefill pool (the
-  colocated state: decode workers prefill their own requests), of the decode pool, whose
-  predicted TTFT then counts their local prefills;
+- prefill: ``predicted_ttft_s / ttft_target_s`` of the prefill pool. With no prefill pool
+  (the colocated state: the decode workers prefill their own requests) the larger of the
+  decode pool's (its predicted TTFT counts those prefills) and its ``prefill_busy /
+  prefill_share_target``: prefill taking that share of the decode workers' time is what
+  stalls their decodes, which a prefill pool of its own takes away;
 - decode: ``max(itl_s / itl_target_s, kv_utilization / kv_target)``.
 
 What each evaluation proposes, for a pool of ``n`` workers at pressure ``p``:
@@ -14,16 +16,19 @@ What each evaluation proposes, for a pool of ``n`` workers at pressure ``p``:
   is back at the objective; a pool of none gets one);
 - ``n >= 2`` and ``p * n / (n - 1) <= down_ratio``: one fewer (even without that worker, the
   pool would stay well below its objective);
-- the prefill pool of one worker, ``p <= idle_ratio`` and colocation allowed (the router's
-  ``auto`` mode): none, the colocated state; from none, one again once the decode pool's
-  own prefills put its TTFT at the objective (``p >= 1``);
+- the prefill pool of one worker, colocation allowed (the router's ``auto`` mode), ``p <
+  1``, and the prefill share the merged pool would carry (both pools' ``prefill_busy``
+  weighted by their workers) at most ``down_ratio * prefill_share_target``: none, the
+  colocated state; from none, one again at ``p >= 1`` (so the band is the same one);
 - otherwise ``n``.
 
 The hysteresis: between ``down_ratio`` and 1 nothing is proposed; a proposal must stand at
 every evaluation for ``up_for_s`` (more) or ``down_for_s`` (fewer) before the desired count
 follows it (a load that crosses a threshold and comes back restarts the wait); after every
-change of the desired count, and whenever the pool's actual count changes, nothing moves for
-``cooldown_s`` (the new capacity is measured before the next decision). Time comes from the
+change of the desired count nothing moves for ``cooldown_s``. Whenever the pool's actual
+count changes (an autoscaler acted, a worker died or changed its role), the desired count is
+that count again and nothing moves for ``cooldown_s``: the new capacity is measured before
+the next decision, and a count nobody acted on is not left standing. Time comes from the
 caller (``now``), so tests drive it.
 """
 
@@ -35,7 +40,7 @@ from typing import Any, Literal
 
 from router.scaling.signals import POOLS, Pool, PoolSignals
 
-__all__ = ["ScalingConfig", "PoolPolicy", "Planner", "Decision", "pressures"]
+__all__ = ["ScalingConfig", "PoolPolicy", "Planner", "Decision", "pressures", "merged_share"]
 
 Direction = Literal[-1, 0, 1]
 
@@ -48,7 +53,7 @@ class ScalingConfig:
     itl_target_s: float = 0.15       # the decode pool's: mean inter-token latency ...
     kv_target: float = 0.8           # ... and KV-cache utilization
     down_ratio: float = 0.6          # fewer when the pressure without one worker stays at most this
-    idle_ratio: float = 0.3          # a lone prefill worker below this: its work can go colocated
+    prefill_share_target: float = 0.3  # colocated: the prefill share of the decode workers' time
     up_for_s: float = 10.0           # a proposal of more must stand this long
     down_for_s: float = 30.0         # one of fewer, this long
     cooldown_s: float = 30.0         # nothing moves this long after a change
@@ -56,12 +61,13 @@ class ScalingConfig:
     interval_s: float = 1.0          # the router evaluates this often
 
     def __post_init__(self) -> None:
-        for name in ("ttft_target_s", "itl_target_s", "kv_target", "interval_s", "window_s"):
+        for name in ("ttft_target_s", "itl_target_s", "kv_target", "interval_s", "window_s",
+                     "prefill_share_target"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.idle_ratio <= self.down_ratio < 1:
-            raise ValueError("need 0 < idle_ratio <= down_ratio < 1 (the hysteresis band is "
-                             f"[down_ratio, 1]), got {self.idle_ratio}, {self.down_ratio}")
+        if not 0 < self.down_ratio < 1:
+            raise ValueError(f"need 0 < down_ratio < 1 (the hysteresis band is [down_ratio, 1]), "
+                             f"got {self.down_ratio}")
         if min(self.up_for_s, self.down_for_s, self.cooldown_s) < 0:
             raise ValueError("up_for_s, down_for_s and cooldown_s must be >= 0")
 
@@ -72,10 +78,23 @@ class ScalingConfig:
 def pressures(signals: dict[Pool, PoolSignals], config: ScalingConfig) -> dict[Pool, float]:
     """Each pool's pressure (module docstring)."""
     pre, dec = signals["prefill"], signals["decode"]
-    ttft = pre.predicted_ttft_s if pre.workers else dec.predicted_ttft_s
+    if pre.workers:
+        prefill = pre.predicted_ttft_s / config.ttft_target_s
+    else:
+        prefill = max(dec.predicted_ttft_s / config.ttft_target_s,
+                      (dec.prefill_busy or 0.0) / config.prefill_share_target)
     itl = dec.itl_s or 0.0
-    return {"prefill": ttft / config.ttft_target_s,
+    return {"prefill": prefill,
             "decode": max(itl / config.itl_target_s, dec.kv_utilization / config.kv_target)}
+
+
+def merged_share(signals: dict[Pool, PoolSignals]) -> float:
+    """The prefill share of worker-time the pools would have as one (the colocated state)."""
+    pre, dec = signals["prefill"], signals["decode"]
+    n = pre.workers + dec.workers
+    if not n:
+        return 0.0
+    return ((pre.prefill_busy or 0.0) * pre.workers + (dec.prefill_busy or 0.0) * dec.workers) / n
 
 
 @dataclass(frozen=True)
@@ -108,29 +127,29 @@ class PoolPolicy:
     _pending: tuple[Direction, float] | None = None
     _last: Decision | None = field(default=None, repr=False)
 
-    def propose(self, n: int, pressure: float) -> int:
-        """What this evaluation proposes for ``n`` workers at ``pressure``."""
+    def propose(self, n: int, pressure: float, may_merge: bool = False) -> int:
+        """What this evaluation proposes for ``n`` workers at ``pressure``; ``may_merge``: the
+        merged pool's prefill share would be low enough for a lone prefill worker to go."""
         c = self.config
         if pressure >= 1.0:
             out = max(n + 1, math.ceil(n * pressure - 1e-9))
         elif n >= 2 and pressure * n / (n - 1) <= c.down_ratio:
             out = n - 1
-        elif n == 1 and self.pool == "prefill" and self.min_workers == 0 and pressure <= c.idle_ratio:
+        elif n == 1 and self.pool == "prefill" and self.min_workers == 0 and may_merge:
             out = 0
         else:
             out = n
         return max(out, self.min_workers)
 
-    def step(self, now: float, n: int, pressure: float) -> Decision:
+    def step(self, now: float, n: int, pressure: float, may_merge: bool = False) -> Decision:
         """One evaluation at time ``now`` with ``n`` workers in the pool now."""
         c = self.config
         if self.desired is None or n != self._observed:
-            if self.desired is None:
-                self.desired = max(n, self.min_workers)
             if self._observed is not None:   # capacity changed: measure it before deciding
                 self._quiet_until = max(self._quiet_until, now + c.cooldown_s)
+            self.desired = max(n, self.min_workers)
             self._observed, self._pending = n, None
-        proposed = self.propose(n, pressure)
+        proposed = self.propose(n, pressure, may_merge)
         if now < self._quiet_until:
             self._pending = None
             return self._decide(n, proposed, pressure, f"cooldown {self._quiet_until - now:.1f} s")
@@ -170,12 +189,14 @@ class Planner:
             "decode": PoolPolicy("decode", config, min_workers=1)}
 
     def evaluate(self, now: float, signals: dict[Pool, PoolSignals]) -> dict[Pool, Decision]:
-        p = pressures(signals, self.config)
+        c = self.config
+        p = pressures(signals, c)
+        may_merge = merged_share(signals) <= c.down_ratio * c.prefill_share_target
         out: dict[Pool, Decision] = {}
         for pool in POOLS:
             n = signals[pool].workers
             if pool == "prefill" and not self.prefill_used:
                 out[pool] = Decision(pool, n, 0, 0, p[pool], "not used in colocated mode")
                 continue
-            out[pool] = self.policies[pool].step(now, n, p[pool])
+            out[pool] = self.policies[pool].step(now, n, p[pool], may_merge and pool == "prefill")
         return out

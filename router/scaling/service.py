@@ -19,6 +19,7 @@ mode the prefill pool is not used (its desired count is 0).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Any
 from router.metrics import RouterMetrics
 from router.scaling.policy import Decision, Planner, ScalingConfig, pressures
 from router.scaling.signals import POOLS, Pool, PoolSignals, pool_of, pool_signals
+from router.scaling.window import RecentWindow
 from router.workers.pool import WorkerPool
 
 __all__ = ["ScalingService"]
@@ -47,11 +49,17 @@ class ScalingService:
         self._signals: dict[Pool, PoolSignals] | None = None
         self._decisions: dict[Pool, Decision] = {}
         self._evaluated_unix: float | None = None
+        self._busy = {pool: RecentWindow(clock=clock) for pool in POOLS}
 
     def evaluate(self) -> None:
         """One evaluation now (module docstring)."""
         itl = self.metrics.recent_itl.mean(self.config.window_s)
         signals = pool_signals([w.load for w in self.pool.workers()], itl)
+        for pool in POOLS:   # the share of worker-time prefilling, averaged over the window
+            s = signals[pool]
+            if s.workers:
+                self._busy[pool].add(s.prefilling / s.workers)
+            signals[pool] = dataclasses.replace(s, prefill_busy=self._busy[pool].mean(self.config.window_s))
         decisions = self.planner.evaluate(self.clock(), signals)
         self._signals, self._decisions, self._evaluated_unix = signals, decisions, time.time()
         m = self.metrics
@@ -63,6 +71,7 @@ class ScalingService:
             m.pool_predicted_ttft.labels(pool).set(s.predicted_ttft_s)
             m.pool_queued_prompt_tokens.labels(pool).set(s.queued_prompt_tokens)
             m.pool_kv_utilization.labels(pool).set(s.kv_utilization)
+            m.pool_prefill_busy.labels(pool).set(s.prefill_busy or 0.0)
             if pool == "decode":
                 m.pool_itl.labels(pool).set(s.itl_s or 0.0)
 

@@ -21,6 +21,11 @@ each pool (:class:`PoolSignals`):
   by the caller and attributed to the decode pool: every token after a request's first comes
   from a decode-capable worker (where the router measures it, it does not know which one).
   None for the prefill pool, and without samples;
+- ``prefilling``: how many of its workers have prompt tokens queued or computing now (this
+  router's bookings), and ``prefill_busy``, the share of the pool's worker-time spent so over
+  the recent window (the caller's average of ``prefilling / workers``; None before it has
+  one): how much of the pool prefill takes, which in the colocated state is what a prefill
+  pool of its own would take off the decodes;
 - ``running`` / ``waiting``: what its workers last reported.
 """
 
@@ -60,6 +65,8 @@ class PoolSignals:
     itl_s: float | None
     running: int
     waiting: int
+    prefilling: int = 0
+    prefill_busy: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -83,7 +90,7 @@ def _typical_prefill_s(loads: Sequence[WorkerLoad]) -> float:
 
 def _one_pool(pool: Pool, loads: Sequence[WorkerLoad], draining: int, itl_s: float | None) -> PoolSignals:
     if not loads:
-        return PoolSignals(pool, 0, draining, 0.0, 0.0, 0.0, 0.0, itl_s if pool == "decode" else None, 0, 0)
+        return PoolSignals(pool, 0, draining, 0.0, 0.0, 0.0, 0.0, itl_s if pool == "decode" else None, 0, 0, 0)
     queued = sum(_queued_tokens(w) for w in loads)
     rate = sum(w.prefill_cost.tokens_per_s for w in loads)
     total = sum(w.figures.kv_total_blocks or w.info.kv_capacity_blocks for w in loads)
@@ -93,7 +100,8 @@ def _one_pool(pool: Pool, loads: Sequence[WorkerLoad], draining: int, itl_s: flo
         prefill_tokens_per_s=rate, predicted_ttft_s=queued / rate + _typical_prefill_s(loads),
         kv_utilization=(total - free) / total if total else 0.0,
         itl_s=itl_s if pool == "decode" else None,
-        running=sum(w.figures.running for w in loads), waiting=sum(w.figures.waiting for w in loads))
+        running=sum(w.figures.running for w in loads), waiting=sum(w.figures.waiting for w in loads),
+        prefilling=sum(_queued_tokens(w) > 0 for w in loads))
 
 
 def pool_signals(loads: Sequence[WorkerLoad], itl_s: float | None) -> dict[Pool, PoolSignals]:

@@ -34,10 +34,12 @@ def _load(wid: str, role: str, *, queued: int = 0, waiting: int = 0, running: in
 
 
 def _signals(pre_n: int, dec_n: int, *, ttft: float = 0.0, itl: float | None = None,
-             kv: float = 0.0, dec_ttft: float = 0.0) -> dict:
-    def s(pool, n, t, i, k):
-        return PoolSignals(pool, n, 0, 0.0, 1.0, t, k, i, 0, 0)
-    return {"prefill": s("prefill", pre_n, ttft, None, 0.0), "decode": s("decode", dec_n, dec_ttft, itl, kv)}
+             kv: float = 0.0, dec_ttft: float = 0.0, pre_busy: float | None = None,
+             dec_busy: float | None = None) -> dict:
+    def s(pool, n, t, i, k, busy):
+        return PoolSignals(pool, n, 0, 0.0, 1.0, t, k, i, 0, 0, prefill_busy=busy)
+    return {"prefill": s("prefill", pre_n, ttft, None, 0.0, pre_busy),
+            "decode": s("decode", dec_n, dec_ttft, itl, kv, dec_busy)}
 
 
 # --- signals ---------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def test_pool_signals_from_the_books() -> None:
     assert pre.predicted_ttft_s == pytest.approx(2000 / 4000 + typical)
     assert pre.itl_s is None and dec.itl_s == 0.2
     assert dec.kv_utilization == pytest.approx((75 + 25) / 200)    # the draining worker not counted
-    assert dec.running == 3
+    assert dec.running == 3 and (pre.prefilling, dec.prefilling) == (1, 0)
 
 
 def test_requests_another_router_queued_count_at_the_mean_prompt() -> None:
@@ -106,6 +108,9 @@ def test_more_only_after_the_pressure_stood_up_for_and_then_a_cooldown() -> None
         assert p.step(t, 2, 2.0).desired == 2
     assert "waiting up" in p.step(44, 2, 2.0).state
     assert p.step(55, 2, 2.0).desired == 4                     # ceil(2 x 2.0)
+    # A worker of the pool dies: the desired count is what is left, until the signals say more.
+    d = p.step(60, 1, 0.7)
+    assert (d.desired, d.state) == (1, "cooldown 30.0 s")
 
 
 def test_fewer_needs_the_pool_well_below_the_objective_without_one_worker() -> None:
@@ -150,7 +155,7 @@ def test_hysteresis_holds_under_a_load_hovering_at_the_threshold() -> None:
 def test_without_hysteresis_the_same_load_flaps() -> None:
     # The control: no band, no sustain times, no cool-down. The same load then moves the
     # count back and forth, which is what the test above rules out.
-    flappy = ScalingConfig(down_ratio=0.99, idle_ratio=0.3, up_for_s=0, down_for_s=0, cooldown_s=0)
+    flappy = ScalingConfig(down_ratio=0.99, up_for_s=0, down_for_s=0, cooldown_s=0)
     assert _changes(_hovering_run(flappy)) >= 10
 
 
@@ -174,6 +179,18 @@ def test_the_colocated_state_and_back() -> None:
     for t in range(21, 60):
         out = plan.evaluate(float(t), _signals(0, 2, dec_ttft=3.0, itl=0.05))
     assert out["prefill"].desired == 1
+    # Colocated, TTFT fine, but prefill takes 45% of the decode workers' time (share objective
+    # 30%): that stalls their decodes, so a prefill pool of its own is wanted.
+    plan = Planner(cfg, colocated_ok=True)
+    for t in range(60):
+        out = plan.evaluate(float(t), _signals(0, 2, dec_ttft=0.5, itl=0.3, dec_busy=0.45))
+    assert out["prefill"].desired == 1 and out["prefill"].pressure == pytest.approx(1.5)
+    # Split and idle by TTFT, but the prefill worker is busy 80% of the time: merged, the two
+    # would spend 40% prefilling, over 0.6 x 30%: no going back to colocated.
+    plan = Planner(cfg, colocated_ok=True)
+    for t in range(100):
+        out = plan.evaluate(float(t), _signals(1, 1, ttft=0.4, itl=0.05, pre_busy=0.8, dec_busy=0.0))
+    assert out["prefill"].desired == 1
     # Disaggregated mode never goes colocated.
     strict = Planner(cfg, colocated_ok=False)
     for t in range(100):
@@ -186,6 +203,7 @@ def test_pressures() -> None:
     p = pressures(_signals(1, 1, ttft=3.0, itl=0.05, kv=0.6), cfg)
     assert p == {"prefill": pytest.approx(1.5), "decode": pytest.approx(0.75)}
     assert pressures(_signals(0, 2, dec_ttft=1.0, itl=None), cfg)["prefill"] == pytest.approx(0.5)
+    assert pressures(_signals(0, 2, dec_ttft=1.0, dec_busy=0.6), cfg)["prefill"] == pytest.approx(2.0)
 
 
 def test_config_refuses_a_band_that_is_not_one() -> None:
