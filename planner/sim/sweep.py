@@ -44,6 +44,21 @@ class SweepSettings:
     prewarm_concurrency: int = 4
 
 
+_BUILT: dict[tuple[Any, ...], Workload] = {}
+
+
+def _workload(args: argparse.Namespace, rate: float, seed: int) -> Workload:
+    """``build_workload``, remembered: every candidate of a search runs the same points, and a
+    native-scale trace takes seconds to synthesize. Simulations never modify a workload."""
+    key = (tuple(sorted((k, repr(v)) for k, v in vars(args).items())), rate, seed)
+    wl = _BUILT.get(key)
+    if wl is None:
+        if len(_BUILT) >= 16:
+            _BUILT.pop(next(iter(_BUILT)))
+        wl = _BUILT[key] = build_workload(args, rate, seed)
+    return wl
+
+
 def at_rate(workload: Workload, rate: float) -> Workload:
     """``workload`` with its open-loop arrivals scaled to a mean of ``rate`` per second."""
     arrivals = [r.arrival_s for r in workload.requests if r.after is None]
@@ -65,7 +80,7 @@ def simulate_config(config: ClusterConfig, profiles: Profiles, args: argparse.Na
     t0 = time.perf_counter()
     space = spec_from_args(args, TokenSpace, "")
     rates = sorted(s.rates)
-    first = workload or build_workload(args, rates[0], args.seed * 1000)
+    first = workload or _workload(args, rates[0], args.seed * 1000)
     long_prompt = first.long_probe_prompt() if s.ttft_slo_per_length else 0
     u = unloaded(config, profiles, space, first.probe_shape(), s.unloaded_samples, args.seed, long_prompt)
     slo = s.fixed_slo or (ref if s.slo_ref == "first" and ref else u).slo(s.ttft_slo_mult, s.tpot_slo_mult)
@@ -77,10 +92,10 @@ def simulate_config(config: ClusterConfig, profiles: Profiles, args: argparse.Na
         if workload is not None:
             wl = at_rate(workload, rate).truncate(n)
         elif args.workload == "mixed":
-            wl = build_workload(argparse.Namespace(**{**vars(args), "num_requests": min(n, args.num_requests or n)}),
-                                rate, seed)
+            wl = _workload(argparse.Namespace(**{**vars(args), "num_requests": min(n, args.num_requests or n)}),
+                           rate, seed)
         else:
-            wl = build_workload(args, rate, seed).truncate(n)
+            wl = _workload(args, rate, seed).truncate(n)
         pt = simulate_point(config, profiles, wl, slo, max_duration_s=sending,
                             grace_s=s.point_seconds - sending, prewarm_concurrency=s.prewarm_concurrency)
         rec = {"config": config.name, "rate": rate, "workload": wl.name, "requests": len(wl.requests),

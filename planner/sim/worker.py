@@ -23,7 +23,7 @@ client does) and its device cache in the router's ``KvIndex`` (block events appl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from engine.api.events import BlockEvent, LoadFigures, Snapshot
@@ -78,7 +78,6 @@ class PhaseState:
     first_token_at: float | None = None
     saves_done_at: float = 0.0
     load_s: float = 0.0
-    tokens: list[float] = field(default_factory=list)  # times of produced tokens
 
 
 class _Connector:
@@ -234,7 +233,6 @@ class SimWorker:
             st = self.phases.get(req.request_id)
             if st is None:
                 continue
-            st.tokens.append(t)
             if st.first_token_at is None:
                 st.first_token_at = t
             if st.phase != "prefill":
