@@ -1,0 +1,36 @@
+"""The fidelity report's arithmetic: verdicts against repeats, the objectives compare fixed
+taken back out of a sweep's argv, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sim_fidelity as fid
+
+
+def test_a_prediction_is_ok_within_15_percent_or_inside_the_repeats_spread() -> None:
+    assert fid.judge(1.1, [1.0, 1.02, 0.98])["verdict"] == "ok"          # +10%
+    assert fid.judge(1.3, [1.0, 1.02, 0.98])["verdict"] == "off"         # +30%, spread 4%
+    wide = fid.judge(1.5, [1.0, 1.6, 0.9])                                # +50%, inside min-max
+    assert wide["verdict"] == "ok" and wide["error"] == pytest.approx(0.5)
+    assert fid.judge(None, [1.0])["verdict"] == "n/a" and fid.judge(1.0, [])["verdict"] == "n/a"
+
+
+def test_the_objectives_compare_fixed_are_stripped_from_the_sweep_flags() -> None:
+    argv = ["--workload", "mixed", "--rates", "0.4", "--ttft-slo-ms", "1094.7", "--tpot-slo-ms", "122.8",
+            "--ttft-slo-per-token-ms", "0.000000", "--ttft-slo-ref-tokens", "0", "--salt-per-request"]
+    assert fid._strip_objectives(argv) == ["--workload", "mixed", "--rates", "0.4", "--salt-per-request"]
+    assert fid._rate_step([0.1, 0.3, 0.5]) == pytest.approx(0.2) and fid._rate_step([0.4]) == 0.0
+
+
+def test_the_table_lists_judged_points_and_rates() -> None:
+    rec = {"points": [{"config": "c", "part": "trace", "rate": 0.1, "metric": "ttft_p50", "repeats": 3,
+                       **fid.judge(1.1, [1.0, 1.0, 1.2])},
+                      {"config": "c", "part": "mixed", "rate": 0.4, "metric": "tpot_p90", "repeats": 0,
+                       **fid.judge(None, [])}],
+           "max_rate_90": [{"config": "c", "part": "trace", "rates": [0.1, 0.3], "measured": [0.1, None, 0.3],
+                            "sim": 0.1, "verdict": "ok"}]}
+    text = fid.table(rec)
+    assert "| c | trace | 0.1 | ttft_p50 | 1.000 [1.000-1.200] | 1.100 | +10% | ok |" in text
+    assert "mixed" not in text.split("\n\n")[0]        # n/a rows are left out
+    assert "| c | trace | 0.1,0.3 | 0.1, none, 0.3 | 0.1 | ok |" in text
