@@ -160,6 +160,8 @@ class Scheduler:
         """Blocks for ``num_new`` more tokens of running ``req``, preempting if needed."""
         bm = self.block_manager
         need = bm.num_blocks_needed(req.num_computed_tokens + num_new, len(req.block_table))
+        if need == 0:   # most decode steps: the token fits the last block
+            return True
         while True:
             blocks = bm.allocate(need)
             if blocks is not None:
