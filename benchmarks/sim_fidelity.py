@@ -18,6 +18,8 @@ p50 and p90 TTFT and TPOT: simulated against the repeats' median, and the verdic
 
 And per configuration and part: the highest rate that keeps 90% attainment (``max_rate_90``,
 as tested), simulated against measured, ``ok`` within one rate step of the repeats' median.
+And per part, the planner's question: is the configuration the simulator ranks first the
+best measured, or within noise of it?
 Writes ``OUT/fidelity.json``, ``OUT/fidelity.md`` (the table) and ``OUT/fidelity.png``
 (simulated against measured, the 15% band), and prints one JSON line.
 """
@@ -137,24 +139,49 @@ def fidelity(runs: list[Path], profiles: Profiles, labels: list[str]) -> dict[st
                                      "repeats": len(vals), **judge(_stat(p_sim, metric, q), vals)})
                 sim_rate = rec["max_rate_90"]["tested"]
                 meas_rates = [max_rate_meeting(pts)["tested"] for pts in measured]
+                meas_interp = [max_rate_meeting(pts)["interpolated"] for pts in measured]
                 known = [r if r is not None else 0.0 for r in meas_rates]
                 med = statistics.median(known)
                 step = _rate_step(rates)
                 rates_rows.append({
                     "config": name, "part": key, "rates": rates, "sim": sim_rate, "measured": meas_rates,
+                    "sim_interpolated": rec["max_rate_90"]["interpolated"], "measured_interpolated": meas_interp,
                     "median": med, "verdict": "ok" if abs((sim_rate or 0.0) - med) <= step + 1e-9 else "off",
                     "sim_seconds": time.perf_counter() - t0, "sim_slo": rec["slo"],
                     "measured_slo": measured[0][0].get("slo"),
                     "sim_unloaded": rec["unloaded"], "measured_unloaded": measured[0][0].get("unloaded")})
                 print(f"[fidelity] {name} {key}: simulated in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    choices = _choices(rates_rows)
     ok = [r for r in rows if r["verdict"] == "ok"]
     judged = [r for r in rows if r["verdict"] != "n/a"]
     return {"bench": "sim_fidelity", "runs": [str(r) for r in runs], "profiles": profiles.describe(),
             "tolerance": TOLERANCE, "points": rows, "max_rate_90": rates_rows,
             "points_ok": f"{len(ok)}/{len(judged)}",
             "rates_ok": f"{sum(r['verdict'] == 'ok' for r in rates_rows)}/{len(rates_rows)}",
+            "choices": choices,
             "median_abs_error": statistics.median(abs(r["error"]) for r in judged) if judged else None,
             "parts": parts}
+
+
+def _choices(rates_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per part: the configuration the simulator ranks first (the highest interpolated rate at
+    90% attainment; ties keep compare's order) against the measured best (the highest median
+    over the runs); ``ok`` when it is the measured best or within noise of it (the best's
+    runs do not all beat every run of the chosen one)."""
+    out = []
+    for part in sorted({r["part"].removesuffix("_salted") for r in rates_rows}):
+        rows = [r for r in rates_rows if r["part"] == part]
+        if len(rows) < 2:
+            continue
+        sim_best = max(rows, key=lambda r: r["sim_interpolated"] or 0.0)
+        meas = {r["config"]: [x or 0.0 for x in r["measured_interpolated"]] for r in rows}
+        meas_best = max(meas, key=lambda c: statistics.median(meas[c]))
+        chosen = meas[sim_best["config"]]
+        beaten = all(b > c for b in meas[meas_best] for c in chosen) and meas_best != sim_best["config"]
+        out.append({"part": part, "simulated_best": sim_best["config"], "measured_best": meas_best,
+                    "measured": meas, "simulated": {r["config"]: r["sim_interpolated"] for r in rows},
+                    "verdict": "off" if beaten else "ok"})
+    return out
 
 
 def table(rec: dict[str, Any]) -> str:
@@ -172,6 +199,11 @@ def table(rec: dict[str, Any]) -> str:
         lines.append(f"| {r['config']} | {r['part']} | {','.join(f'{x:g}' for x in r['rates'])} | "
                      f"{', '.join('none' if m is None else f'{m:g}' for m in r['measured'])} | "
                      f"{'none' if r['sim'] is None else format(r['sim'], 'g')} | {r['verdict']} |")
+    lines += ["", "| part | the simulator's choice | measured best | 90% rate per configuration, measured (each run) | verdict |",
+              "| --- | --- | --- | --- | --- |"]
+    for c in rec.get("choices", []):
+        meas = "; ".join(f"{k}: {', '.join(f'{x:.2g}' for x in v)}" for k, v in c["measured"].items())
+        lines.append(f"| {c['part']} | {c['simulated_best']} | {c['measured_best']} | {meas} | {c['verdict']} |")
     return "\n".join(lines) + "\n"
 
 
