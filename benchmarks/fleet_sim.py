@@ -52,7 +52,8 @@ def run_size(n: int, profiles: Profiles, ns: argparse.Namespace, say: Any) -> di
     s = SweepSettings(rates, ns.point_seconds, 1, ns.ttft_slo_mult, ns.tpot_slo_mult, True, "first")
     shares = [float(x) for x in ns.prefill_shares.split(",")]
     cands = candidates(n, 1, [ns.chunk], ns.num_blocks, ns.max_context, 1 << 50, max_workers=n,
-                       prefill_shares=shares, per_worker_blocks=True, max_num_seqs=ns.max_num_seqs)
+                       prefill_shares=shares, per_worker_blocks=True, max_num_seqs=ns.max_num_seqs,
+                       block_size=ns.block_size)
     cands = [c for c in cands if c.mode != "colocated" or c.colocated == n]   # the fleet, not one GPU
     t0 = time.perf_counter()
     rec = recommend(cands, profiles, args, s, gpu=True, target=ns.attainment,
@@ -110,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request rates per GPU (default 0.1,0.2,0.3,0.4)")
     p.add_argument("--prefill-shares", default="0.25,0.5,0.75", help="split shares of prefill GPUs (default %(default)s)")
     p.add_argument("--chunk", type=int, default=2048, help="chunked prefill's per-step tokens (default 2048)")
-    p.add_argument("--num-blocks", type=int, default=26000,
-                   help="KV blocks per GPU (default 26000: 55 GB of an 80 GB A100 at 2 MiB a block)")
+    p.add_argument("--block-size", type=int, default=64,
+                   help="tokens per KV block (default 64: the simulation's cost is per block; 16 is 4x slower)")
+    p.add_argument("--num-blocks", type=int, default=6500,
+                   help="KV blocks per GPU (default 6500: 55 GB of an 80 GB A100 at 64 tokens x 128 KiB)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per GPU (default 256)")
     p.add_argument("--max-context", type=int, default=131072, help="the model's context (default 131072)")
     p.add_argument("--trace-start", type=int, default=0, help="the trace window's first request (default 0)")

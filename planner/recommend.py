@@ -44,7 +44,7 @@ def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, m
                store_memory: int, policy: str = "kv-aware", salt: bool = False,
                max_workers: int = 64, prefill_shares: list[float] | None = None,
                per_worker_blocks: bool = False, max_num_seqs: int = 64,
-               max_colocated: int = 0) -> list[ClusterConfig]:
+               max_colocated: int = 0, block_size: int = 16) -> list[ClusterConfig]:
     """Every configuration that fits ``devices`` (module docstring); KV blocks are split
     evenly, so each candidate holds ``num_blocks`` device blocks in all (``per_worker_blocks``:
     each worker holds ``num_blocks``, as a GPU's memory does). ``prefill_shares`` limits the
@@ -56,7 +56,7 @@ def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, m
         raise ValueError(f"{devices} devices cannot hold one worker of {threads} threads")
     for chunk in chunks:
         base = WorkerSpec(max_model_len=max_model_len, max_num_batched_tokens=chunk or 2048,
-                          enable_chunked_prefill=chunk > 0, max_num_seqs=max_num_seqs)
+                          enable_chunked_prefill=chunk > 0, max_num_seqs=max_num_seqs, block_size=block_size)
         share = (lambda k: num_blocks) if per_worker_blocks else (lambda k: num_blocks // k)  # noqa: E731
         tag = f"chunk{chunk}" if chunk else "nochunk"
         # One colocated worker with every device, and fleets of smaller ones.

@@ -13,7 +13,8 @@ context) and prefill chunks (``k`` tokens from position ``p``). Its time, from o
 - a mixed step: the decode step of its decodes plus each chunk's marginal prefill time
   ``b*k + c*pairs`` (the decodes ride in the pass the prefill pays for, or the reverse).
 
-Store moves: ``load_s(blocks)`` (synchronous on the engine thread, at admission) and
+Store moves (blocks of the simulated block size, which may differ from the profile's: their
+bytes are what counts): ``load_s(blocks)`` (synchronous on the engine thread, at admission) and
 ``save_s(blocks)`` (the saver thread's time for one batch of blocks) from the fitted
 ``store_load`` / ``store_save`` curves.
 """
@@ -31,7 +32,9 @@ __all__ = ["StepCosts"]
 class StepCosts:
     """Step and transfer times of one profile (see the module docstring)."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, block_size: int | None = None) -> None:
+        """``block_size``: the simulated workers' (default the profile's); a block's bytes
+        scale with it, so store moves cost what that many tokens' KV costs."""
         self.profile = profile
         pre = profile.curves["prefill"].fit
         coef = dict(zip(pre.terms, pre.coefficients))
@@ -49,16 +52,29 @@ class StepCosts:
         lo, sv = profile.curves["store_load"].fit, profile.curves["store_save"].fit
         self._load = dict(zip(lo.terms, lo.coefficients))
         self._save = dict(zip(sv.terms, sv.coefficients))
-        self.block_bytes = profile.model.block_bytes
+        self._memo: dict[tuple[int, int], float] = {}
+        self.block_size = block_size or profile.model.block_size
+        self.block_bytes = profile.model.kv_bytes_per_token * self.block_size
 
     # --- decode ------------------------------------------------------------------------
     def _decode_fit(self, batch: float, context: float) -> float:
         return self._d_step + self._d_seq * batch + self._d_ctx * batch * (context + 1)
 
     def decode_s(self, batch: int, mean_context: float) -> float:
-        """One step of ``batch`` decodes over ``mean_context`` tokens each, on average."""
+        """One step of ``batch`` decodes over ``mean_context`` tokens each, on average
+        (remembered per batch and whole mean context: a simulation asks the same often)."""
         if batch <= 0:
             return 0.0
+        key = (batch, int(mean_context))
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        if len(self._memo) > 200_000:
+            self._memo.clear()
+        out = self._memo[key] = self._decode(batch, float(key[1]))
+        return out
+
+    def _decode(self, batch: int, mean_context: float) -> float:
         if self._grid is None:
             return self._decode_fit(batch, mean_context)
         bs, cs = self._batches, self._contexts

@@ -42,8 +42,9 @@ class Profiles:
         shapes = {(p.model.num_layers, p.model.block_bytes) for p in profiles}
         if len(shapes) > 1:
             raise ValueError(f"profiles of different models: {sorted(shapes)}")
-        self.by_threads = {p.hardware.threads: StepCosts(p) for p in profiles}
+        self.by_threads = {p.hardware.threads: p for p in profiles}
         self.profiles = list(profiles)
+        self._costs: dict[tuple[int, int], StepCosts] = {}
 
     @classmethod
     def from_files(cls, paths: Sequence[str | Path]) -> Profiles:
@@ -51,7 +52,10 @@ class Profiles:
 
     def costs_for(self, spec: WorkerSpec) -> StepCosts:
         t = min(self.by_threads, key=lambda k: (abs(k - spec.threads), -k))
-        return self.by_threads[t]
+        key = (t, spec.block_size)
+        if key not in self._costs:
+            self._costs[key] = StepCosts(self.by_threads[t], spec.block_size)
+        return self._costs[key]
 
     def describe(self) -> list[str]:
         return [f"{p.model.name} on {p.hardware.device_name} ({p.hardware.device}, "
