@@ -5,7 +5,8 @@ ran; step times come from a GPU profile built from published measurements
 
     python -m benchmarks.fleet_sim --sizes 8,16,32,64 --out results/fleet_sim
 
-For each fleet of N GPUs (one worker a GPU, each with its own KV blocks):
+For each fleet of N GPUs (one worker a GPU, each with its own KV blocks; the store holds
+``--store-gib-per-gpu`` x N of host memory, least recently used out):
 
 1. ``recommend``: the colocated fleet and the prefill:decode splits at ``--prefill-shares`` of
    N, chunked prefill at ``--chunk`` tokens, on the trace window at ``--rates-per-gpu`` x N
@@ -51,7 +52,7 @@ def run_size(n: int, profiles: Profiles, ns: argparse.Namespace, say: Any) -> di
     rates = tuple(round(r * n, 4) for r in ns.rates_per_gpu)
     s = SweepSettings(rates, ns.point_seconds, 1, ns.ttft_slo_mult, ns.tpot_slo_mult, True, "first")
     shares = [float(x) for x in ns.prefill_shares.split(",")]
-    cands = candidates(n, 1, [ns.chunk], ns.num_blocks, ns.max_context, 1 << 50, max_workers=n,
+    cands = candidates(n, 1, [ns.chunk], ns.num_blocks, ns.max_context, n * ns.store_gib_per_gpu << 30, max_workers=n,
                        prefill_shares=shares, per_worker_blocks=True, max_num_seqs=ns.max_num_seqs,
                        block_size=ns.block_size)
     cands = [c for c in cands if c.mode != "colocated" or c.colocated == n]   # the fleet, not one GPU
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (default 64: the simulation's cost is per block; 16 is 4x slower)")
     p.add_argument("--num-blocks", type=int, default=6500,
                    help="KV blocks per GPU (default 6500: 55 GB of an 80 GB A100 at 64 tokens x 128 KiB)")
+    p.add_argument("--store-gib-per-gpu", type=int, default=128,
+                   help="the store's host memory per GPU in GiB (default 128: a Mooncake-style DRAM pool)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per GPU (default 256)")
     p.add_argument("--max-context", type=int, default=131072, help="the model's context (default 131072)")
     p.add_argument("--trace-start", type=int, default=0, help="the trace window's first request (default 0)")
