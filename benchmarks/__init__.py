@@ -23,6 +23,7 @@ flags)::
     .venv/bin/python -m benchmarks.sweep            # rates x configurations, with plots
     .venv/bin/python -m benchmarks.compare          # the four serving configurations, one run
     .venv/bin/python -m benchmarks.compare_report   # tables and a PNG from a compare run
+    .venv/bin/python -m benchmarks.autoscale_bench  # decode-heavy then prefill-heavy: autoscaled vs static layouts
     .venv/bin/python -m benchmarks.chaos_bench      # a cluster under load while its processes are killed
     .venv/bin/python -m benchmarks.handoff_bench    # the P->D handoff across hosts: one hop vs rendezvous
     .venv/bin/python -m benchmarks.lmcache_bench    # LMCache through our plugin vs its lm:// server and Mooncake

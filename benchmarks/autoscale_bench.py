@@ -1,0 +1,360 @@
+"""Issue 14's autoscaling benchmark: a workload that turns from decode-heavy to prefill-heavy
+halfway, served by every static configuration and by the autoscaled cluster, one after
+another in one run, on the same two-worker budget.
+
+    flock /tmp/bench.lock .venv/bin/python -m benchmarks.autoscale_bench --out results/autoscale
+    .venv/bin/python -m benchmarks.autoscale_bench --quick --out results/autoscale_quick
+
+Workload (``planner.workloads.MixedSpec``, seeded; token-id prompts, ``ignore_eos``, greedy,
+every request its own ``cache_salt``): for ``--phase-seconds`` short requests alone
+(``--decode-prompt`` tokens, ``--decode-output`` out, Poisson at ``--decode-rate``:
+decode-heavy), then for as long a mix at ``--prefill-rate`` where ``--prefill-share`` of the
+requests are huge prefills (``--prefill-prompt`` tokens, ``--prefill-output`` out) and the rest
+short ones of ``--prefill-short-output`` tokens (prefill-heavy), its arrivals shifted by the
+first half.
+
+Configurations (``CONFIGS``), each ``kvrouter up`` with two CPUs' worth of workers (one torch
+thread each, unpinned; ``colocated_1x2`` one worker of two threads) and the same KV blocks in
+all (``--num-blocks`` a worker, twice that for the single worker):
+
+- ``disagg_1p1d``: 1 prefill + 1 decode worker, ``--mode disaggregated``;
+- ``auto_1p1d``: the same in ``--mode auto`` (short prompts prefill on their decode worker);
+- ``colocated_2x1``: ``--mode auto`` with two decode workers and no prefill worker: each
+  serves its requests whole (the autoscaler's colocated state);
+- ``colocated_1x2``: ``--mode colocated``, one worker of two threads;
+- ``autoscaled``: ``--autoscale --max-workers 2``, starting as 1P+1D in ``--mode auto``; the
+  router's objectives follow the SLOs (``--scale-ttft-target`` the TTFT SLO at the long prompt,
+  ``--scale-itl-target`` ``--itl-target-share`` x the TPOT SLO) with ``--scale-*`` timings.
+
+Objectives, fixed and the same for all: TTFT <= ``--ttft-slo-ms`` + ``--ttft-slo-per-token-ms``
+x (prompt - ``--decode-prompt``) (a line in prompt length: long prompts take long to prefill
+alone) and TPOT <= ``--tpot-slo-ms``. Goodput: requests that met both over the workload's
+length (``2 x --phase-seconds``), over the whole run and per half. The verdict,
+``autoscaled_over_best_static``, is the autoscaled goodput over the best static one (target >= 1).
+
+Writes ``OUT/autoscale.json`` (also printed as one JSON line), ``OUT/autoscale.png`` (the
+autoscaled cluster's layout, pressures and role changes over time; attainment over time
+against the best static configuration; goodput per configuration and half) and, per
+configuration, ``OUT/NAME/``: ``up.log``, the cluster's logs (``autoscale.jsonl``: the
+autoscaler's timeline), ``requests.jsonl``. A configuration that does not start is an
+``error`` (exit status 1). SIGTERM/SIGINT stop what runs (``benchmarks.lifecycle``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks import lifecycle
+from benchmarks.load_client import ClientConfig, fetch_model, run_workload
+from benchmarks.serve_bench import machine_info
+from benchmarks.sweep import Configuration, Launched
+from planner.metrics import RequestResult, Slo, summarize
+from planner.workloads import BenchRequest, MixedSpec, TokenSpace, Workload
+
+PY = sys.executable
+CONFIGS: dict[str, str] = {
+    "disagg_1p1d": "--mode disaggregated --prefill 1 --decode 1",
+    "auto_1p1d": "--mode auto --prefill 1 --decode 1",
+    "colocated_2x1": "--mode auto --prefill 0 --decode 2",
+    "colocated_1x2": "--mode colocated --threads-per-worker 2",
+    "autoscaled": "--autoscale --max-workers 2 --prefill 1 --decode 1",
+}
+STATIC = [n for n in CONFIGS if n != "autoscaled"]
+PHASES = ("decode_heavy", "prefill_heavy")
+
+
+def shifting_workload(args: argparse.Namespace, space: TokenSpace) -> Workload:
+    """Decode-heavy for ``phase_seconds``, then prefill-heavy for as long (module docstring)."""
+    half = args.phase_seconds
+
+    def half_of(spec: MixedSpec, rate: float, seed: int, tag: str, shift: float) -> list[BenchRequest]:
+        n = max(1, math.ceil(rate * half * 2) + 10)   # more than the half needs; cut at its end
+        built = spec.build(n, rate, seed, space).requests
+        return [replace(r, request_id=f"{tag}-{i}", arrival_s=r.arrival_s + shift, tag=tag)
+                for i, r in enumerate(built) if r.arrival_s < half]
+
+    decode = MixedSpec(short_prompt=args.decode_prompt, short_output=args.decode_output, long_share=0.0)
+    prefill = MixedSpec(short_prompt=args.decode_prompt, short_output=args.prefill_short_output,
+                        long_prompt=args.prefill_prompt, long_output=args.prefill_output,
+                        long_share=args.prefill_share)
+    requests = (half_of(decode, args.decode_rate, args.seed, PHASES[0], 0.0)
+                + half_of(prefill, args.prefill_rate, args.seed + 1, PHASES[1], half))
+    return Workload("decode_then_prefill", requests, scaling={
+        "phase_seconds": half, "decode": {"rate": args.decode_rate, "prompt": args.decode_prompt,
+                                          "output": args.decode_output},
+        "prefill": {"rate": args.prefill_rate, "long_share": args.prefill_share, "prompt": args.prefill_prompt,
+                    "output": args.prefill_output, "short_output": args.prefill_short_output},
+        "requests": {t: sum(r.tag == t for r in requests) for t in PHASES}})
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.ttft_slo_per_token_ms / 1e3,
+               args.decode_prompt)
+
+
+def up_flags(name: str, args: argparse.Namespace, slo: Slo) -> str:
+    blocks = args.num_blocks * (2 if name == "colocated_1x2" else 1)
+    flags = f"{CONFIGS[name]} --worker-arg=--num-blocks={blocks}"
+    if "--threads-per-worker" not in flags:
+        flags += " --threads-per-worker 1"
+    if name == "autoscaled":
+        flags += (f" --scale-ttft-target {slo.ttft_objective(args.prefill_prompt):.3f}"
+                  f" --scale-itl-target {args.itl_target_share * slo.tpot_s:.4f}"
+                  f" --scale-up-for {args.scale_up_for} --scale-down-for {args.scale_down_for}"
+                  f" --scale-cooldown {args.scale_cooldown} --scale-window {args.scale_window}"
+                  f" --scale-prefill-share {args.scale_prefill_share}"
+                  f" --autoscale-interval 1")
+    return flags
+
+
+def scored(results: list[RequestResult], slo: Slo, seconds: float) -> dict[str, Any]:
+    """Goodput over a fixed length, with the summary's latencies."""
+    s = summarize(results, max(seconds, 1e-9), slo)
+    pick = lambda d: None if d is None else {k: round(getattr(d, k), 4) for k in ("p50", "p90", "p99")}  # noqa: E731
+    return {"issued": s.issued, "completed": s.completed, "failed": s.failed, "good": s.good,
+            "goodput": (s.good or 0) / seconds, "attainment": s.attainment,
+            "ttft_s": pick(s.ttft_s), "tpot_s": pick(s.tpot_s)}
+
+
+def read_timeline(path: Path, t0: float) -> list[dict[str, Any]]:
+    """The autoscaler's ``autoscale.jsonl``, times as seconds since the workload's start."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        rec["t"] = round(rec["t_unix"] - t0, 3)
+        if "started_unix" in rec:
+            rec["started"] = round(rec["started_unix"] - t0, 3)
+        out.append(rec)
+    return out
+
+
+def run_config(name: str, args: argparse.Namespace, workload: Workload, slo: Slo, out: Path) -> dict[str, Any]:
+    cdir = out / name
+    shutil.rmtree(cdir / "logs", ignore_errors=True)   # an earlier run's timeline is not this one's
+    cdir.mkdir(parents=True, exist_ok=True)
+    command = (f"{PY} -m router.cli up --model {args.model} --port {args.port} --log-dir {cdir / 'logs'} "
+               f"--store-memory {args.store_memory} {up_flags(name, args, slo)}")
+    res: dict[str, Any] = {"command": command.replace(PY, "python")}
+    launched = None
+    try:
+        launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
+        launched.wait_ready(args.ready_timeout)
+        url = f"http://127.0.0.1:{args.port}"
+        model = asyncio.run(fetch_model(url))
+        longest = max(workload.requests, key=lambda r: len(r.prompt))
+        warm = [BenchRequest("warm-short", workload.requests[0].prompt, 4),
+                BenchRequest("warm-long", longest.prompt, 2, after="warm-short")]
+        asyncio.run(run_workload(warm, ClientConfig(url, model, progress=False, request_salt="warm-")))
+        total = 2 * args.phase_seconds
+        cfg = ClientConfig(url, model, max_duration_s=total, grace_s=args.grace_seconds, progress=False,
+                           request_timeout_s=total + args.grace_seconds,
+                           request_salt=f"{name}-{uuid.uuid4().hex[:8]}-")
+        t0 = time.time()
+        outcome = asyncio.run(run_workload(workload.requests, cfg, desc=name))
+        results = outcome.results
+        with open(cdir / "requests.jsonl", "w") as f:
+            for r in sorted(results, key=lambda r: r.scheduled_s):
+                f.write(json.dumps({**r.to_json(), "met": slo.met(r)}) + "\n")
+        res.update(whole=scored(results, slo, total), not_sent=outcome.not_sent,
+                   phases={t: scored([r for r in results if r.tag == t], slo, total / 2) for t in PHASES},
+                   requests=[{"t": round(r.scheduled_s, 2), "tag": r.tag, "met": slo.met(r)}
+                             for r in sorted(results, key=lambda r: r.scheduled_s)])
+        timeline = read_timeline(cdir / "logs" / "autoscale.jsonl", t0)
+        if timeline:
+            res["actions"] = [{k: a.get(k) for k in ("started", "t", "action", "worker", "from", "to", "seconds",
+                                                       "layout_before", "layout_after")}
+                              for a in timeline if a["kind"] == "action"]
+            res["timeline"] = [{"t": s["t"], "prefill": s["prefill"], "decode": s["decode"],
+                                "pressure": {p: s["pools"][p]["pressure"] for p in ("prefill", "decode")}}
+                               for s in timeline if s["kind"] == "signals"]
+        print(f"[autoscale_bench] {name}: goodput {res['whole']['goodput']:.3f} req/s "
+              f"({res['whole']['good']}/{res['whole']['issued']})", file=sys.stderr, flush=True)
+    except (RuntimeError, OSError) as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"[autoscale_bench] {name} failed, nothing measured: {res['error']}", file=sys.stderr, flush=True)
+    finally:
+        if launched is not None:
+            launched.stop()
+            launched.log.close()
+    return res
+
+
+def verdict(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    statics = {n: c["whole"]["goodput"] for n, c in configs.items() if n in STATIC and "whole" in c}
+    auto = configs.get("autoscaled", {}).get("whole", {}).get("goodput")
+    if not statics or auto is None:
+        return {"best_static": None, "autoscaled_over_best_static": None, "met": None}
+    best = max(statics, key=lambda n: statics[n])
+    ratio = auto / statics[best] if statics[best] > 0 else math.inf
+    return {"best_static": best, "best_static_goodput": statics[best], "autoscaled_goodput": auto,
+            "autoscaled_over_best_static": ratio, "met": ratio >= 1.0}
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs, half = record["configs"], record["workload"]["phase_seconds"]
+    auto = configs.get("autoscaled", {})
+    best = record["verdict"].get("best_static")
+    fig, axes = plt.subplots(3, 1, figsize=(10, 10), gridspec_kw={"height_ratios": [2, 1.4, 1.6]})
+    ax = axes[0]
+    tl = auto.get("timeline", [])
+    if tl:
+        ts = [s["t"] for s in tl]
+        ax.step(ts, [s["prefill"] for s in tl], where="post", label="prefill workers", color="tab:orange")
+        ax.step(ts, [s["decode"] for s in tl], where="post", label="decode workers", color="tab:blue")
+        ax2 = ax.twinx()
+        for pool, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
+            ax2.plot(ts, [min(s["pressure"][pool], 5.0) for s in tl], color=color, alpha=0.35, lw=1,
+                     label=f"{pool} pressure (capped at 5)")
+        ax2.axhline(1.0, color="grey", ls=":", lw=1)
+        ax2.set_ylabel("pressure (1 = at the objective)")
+        ax2.legend(loc="upper right", fontsize=8)
+    for a in auto.get("actions", []):
+        ax.axvline(a["started"], color="tab:red", lw=1)
+        what = (f"{a['worker']} -> {a['to']}" if a["action"] == "role" else
+                f"stop {a['worker']}" if a["action"] == "stop" else f"start {a['worker']} ({a['to']})")
+        ax.text(a["started"], 2.15, f"{what}, {a['seconds']:.0f} s",
+                rotation=90, fontsize=7, va="top", ha="right", color="tab:red")
+    for axx in axes[:2]:
+        axx.axvspan(0, half, color="tab:blue", alpha=0.05)
+        axx.axvspan(half, 2 * half, color="tab:orange", alpha=0.05)
+        axx.set_xlim(0, 2 * half)
+    ax.set_ylim(-0.1, 2.3)
+    ax.set_ylabel("workers")
+    ax.set_title("autoscaled: layout and role changes (decode-heavy half, then prefill-heavy)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax = axes[1]
+    width = max(10.0, half / 6)
+    for name, style in (("autoscaled", "-"), (best, "--")):
+        reqs = configs.get(name or "", {}).get("requests", [])
+        if not reqs:
+            continue
+        edges = [i * width for i in range(int(2 * half / width) + 1)]
+        xs, ys = [], []
+        for lo in edges[:-1]:
+            sel = [r["met"] for r in reqs if lo <= r["t"] < lo + width]
+            if sel:
+                xs.append(lo + width / 2)
+                ys.append(sum(sel) / len(sel))
+        ax.plot(xs, ys, style, marker="o", ms=3, label=name)
+    ax.set_ylabel(f"attainment ({width:.0f} s bins)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("seconds since the workload's start")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    names = [n for n in configs if "whole" in configs[n]]
+    xs = range(len(names))
+    for k, (key, label) in enumerate((("whole", "whole run"), (PHASES[0], "decode-heavy half"),
+                                      (PHASES[1], "prefill-heavy half"))):
+        vals = [configs[n]["whole"]["goodput"] if key == "whole" else configs[n]["phases"][key]["goodput"]
+                for n in names]
+        ax.bar([x + (k - 1) * 0.27 for x in xs], vals, width=0.27, label=label)
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_ylabel("goodput (req/s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.autoscale_bench", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--out", default="results/autoscale", help="run directory (default %(default)s)")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M) or a checkpoint directory")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, in order (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="60 s halves (default: --phase-seconds)")
+    p.add_argument("--phase-seconds", type=float, default=150.0, help="length of each half (default %(default)s)")
+    p.add_argument("--decode-rate", type=float, default=0.2, help="decode-heavy half: requests/s (default %(default)s)")
+    p.add_argument("--decode-prompt", type=int, default=96,
+                   help="mean prompt tokens of a short request, in both halves (default %(default)s)")
+    p.add_argument("--decode-output", type=int, default=160,
+                   help="decode-heavy half: output tokens (default %(default)s)")
+    p.add_argument("--prefill-rate", type=float, default=0.2, help="prefill-heavy half: requests/s (default %(default)s)")
+    p.add_argument("--prefill-share", type=float, default=0.5,
+                   help="prefill-heavy half: the share of huge prefills, the rest short requests (default %(default)s)")
+    p.add_argument("--prefill-prompt", type=int, default=1024,
+                   help="prefill-heavy half: mean prompt tokens of a huge prefill (default %(default)s)")
+    p.add_argument("--prefill-output", type=int, default=16,
+                   help="prefill-heavy half: output tokens of a huge prefill (default %(default)s)")
+    p.add_argument("--prefill-short-output", type=int, default=32,
+                   help="prefill-heavy half: output tokens of its short requests (default %(default)s)")
+    p.add_argument("--ttft-slo-ms", type=float, default=3000.0,
+                   help="TTFT objective at --decode-prompt tokens (default %(default)s)")
+    p.add_argument("--ttft-slo-per-token-ms", type=float, default=15.0,
+                   help="the TTFT objective's rise per prompt token (default %(default)s)")
+    p.add_argument("--tpot-slo-ms", type=float, default=300.0, help="TPOT objective (default %(default)s)")
+    p.add_argument("--itl-target-share", type=float, default=0.8,
+                   help="the autoscaled router's ITL objective as a share of the TPOT SLO (default %(default)s)")
+    p.add_argument("--scale-up-for", type=float, default=5.0, help="the autoscaled router's --scale-up-for (default %(default)s)")
+    p.add_argument("--scale-down-for", type=float, default=15.0, help="its --scale-down-for (default %(default)s)")
+    p.add_argument("--scale-cooldown", type=float, default=15.0, help="its --scale-cooldown (default %(default)s)")
+    p.add_argument("--scale-window", type=float, default=15.0, help="its --scale-window (default %(default)s)")
+    p.add_argument("--scale-prefill-share", type=float, default=0.2,
+                   help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks a worker (default %(default)s)")
+    p.add_argument("--store-memory", default="2G", help="the store daemon's arena (default %(default)s)")
+    p.add_argument("--grace-seconds", type=float, default=60.0,
+                   help="how long in-flight requests may finish after the workload (default %(default)s)")
+    p.add_argument("--port", type=int, default=8391, help="the router port of every configuration (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=TokenSpace().vocab_size,
+                   help="prompt ids stay below this: the model's vocabulary (default %(default)s, SmolLM2's)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a cluster has to come up (default %(default)s)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw OUT/autoscale.png")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.phase_seconds = 60.0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        sys.exit(f"autoscale_bench: unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    space = TokenSpace(vocab_size=args.vocab_size)
+    workload, slo = shifting_workload(args, space), slo_of(args)
+    t_start = time.time()
+    configs: dict[str, dict[str, Any]] = {}
+    interrupted = None
+    try:
+        for name in names:
+            configs[name] = run_config(name, args, workload, slo, out)
+    except lifecycle.Interrupted as stop:
+        interrupted = stop
+    record = {"bench": "autoscale", "machine": machine_info(), "seconds": round(time.time() - t_start, 1),
+              "workload": workload.scaling, "slo": {"ttft_s": slo.ttft_s, "ttft_per_token_s": slo.ttft_per_token_s,
+                                                    "ref_prompt_tokens": slo.ref_prompt_tokens, "tpot_s": slo.tpot_s},
+              "configs": configs, "verdict": verdict(configs),
+              "errors": [f"{n}: {c['error']}" for n, c in configs.items() if "error" in c],
+              **({"interrupted": str(interrupted)} if interrupted else {})}
+    (out / "autoscale.json").write_text(json.dumps(record, indent=1))
+    if not args.no_plot and any("whole" in c for c in configs.values()):
+        plot(record, out / "autoscale.png")
+    print(json.dumps({k: v for k, v in record.items() if k != "configs"}
+                     | {"goodput": {n: c.get("whole", {}).get("goodput") for n, c in configs.items()}}))
+    if interrupted:
+        raise interrupted
+    if record["errors"]:
+        sys.exit("autoscale_bench: " + "; ".join(record["errors"]))
+
+
+if __name__ == "__main__":
+    sys.exit(lifecycle.run_main(main))

@@ -1,0 +1,82 @@
+"""benchmarks/autoscale_bench.py without clusters (a real run starts five of them for minutes;
+the mechanics it measures are tests/router/test_autoscale.py's): the workload turns from
+decode-heavy to prefill-heavy at the half, seeded; the autoscaled cluster's router gets its
+objectives from the SLOs; the verdict compares against the best static configuration; the
+timeline is read relative to the workload's start; the plot is drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.autoscale_bench import (PHASES, build_parser, plot, read_timeline, shifting_workload,
+                                        slo_of, up_flags, verdict)
+from planner.workloads import TokenSpace
+
+
+def _args(*extra: str):
+    return build_parser().parse_args(["--phase-seconds", "60", *extra])
+
+
+def test_the_workload_shifts_at_the_half() -> None:
+    args = _args("--decode-rate", "1", "--prefill-rate", "1", "--prefill-share", "0.5")
+    wl = shifting_workload(args, TokenSpace())
+    first = [r for r in wl.requests if r.tag == PHASES[0]]
+    second = [r for r in wl.requests if r.tag == PHASES[1]]
+    assert first and second and all(r.arrival_s < 60 for r in first)
+    assert all(60 <= r.arrival_s < 120 for r in second)
+    assert all(r.max_tokens == args.decode_output and len(r.prompt) < 2 * args.decode_prompt for r in first)
+    huge = [r for r in second if r.max_tokens == args.prefill_output]
+    assert 0.25 < len(huge) / len(second) < 0.75 and min(len(r.prompt) for r in huge) > 700
+    assert sum(len(r.prompt) for r in second) > 3 * sum(len(r.prompt) for r in first)   # prefill-heavy ...
+    assert sum(r.max_tokens for r in first) > 3 * sum(r.max_tokens for r in second)     # ... after decode-heavy
+    assert len({r.request_id for r in wl.requests}) == len(wl.requests)
+    again = shifting_workload(args, TokenSpace())
+    assert [r.prompt for r in again.requests] == [r.prompt for r in wl.requests]
+
+
+def test_the_autoscaled_router_aims_at_the_slos() -> None:
+    args = _args("--tpot-slo-ms", "300", "--itl-target-share", "0.8", "--ttft-slo-ms", "3000",
+                 "--ttft-slo-per-token-ms", "15", "--prefill-prompt", "1024", "--decode-prompt", "96")
+    slo = slo_of(args)
+    flags = up_flags("autoscaled", args, slo).split()
+    assert flags[flags.index("--scale-itl-target") + 1] == "0.2400"
+    assert float(flags[flags.index("--scale-ttft-target") + 1]) == 3.0 + 0.015 * (1024 - 96)
+    assert "--autoscale" in flags and "--max-workers" in flags
+    assert "--worker-arg=--num-blocks=1024" in up_flags("colocated_1x2", args, slo).split()
+    assert "--threads-per-worker" not in up_flags("colocated_1x2", args, slo).split()[3:]
+
+
+def test_verdict_is_against_the_best_static() -> None:
+    configs = {"disagg_1p1d": {"whole": {"goodput": 0.10}}, "colocated_2x1": {"whole": {"goodput": 0.14}},
+               "auto_1p1d": {"error": "did not start"}, "autoscaled": {"whole": {"goodput": 0.15}}}
+    v = verdict(configs)
+    assert v["best_static"] == "colocated_2x1" and v["met"] is True
+    assert abs(v["autoscaled_over_best_static"] - 0.15 / 0.14) < 1e-9
+    configs["autoscaled"]["whole"]["goodput"] = 0.13
+    assert verdict(configs)["met"] is False
+
+
+def test_timeline_and_plot(tmp_path: Path) -> None:
+    t0 = 1000.0
+    lines = [{"t_unix": t0 + t, "kind": "signals", "prefill": p, "decode": d,
+              "pools": {"prefill": {"pressure": 0.1}, "decode": {"pressure": 1.5}}}
+             for t, p, d in ((-2, 1, 1), (10, 1, 1), (20, 0, 2), (70, 1, 1))]
+    lines.insert(2, {"t_unix": t0 + 19, "kind": "action", "action": "role", "worker": "worker-0",
+                     "from": "prefill", "to": "decode", "seconds": 3.2, "started_unix": t0 + 15.8})
+    path = tmp_path / "autoscale.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    timeline = read_timeline(path, t0)
+    assert [x["t"] for x in timeline] == [-2, 10, 19, 20, 70] and timeline[2]["started"] == 15.8
+    requests = [{"t": t, "tag": PHASES[t >= 60], "met": t % 3 > 0} for t in range(0, 120, 2)]
+    whole = {"goodput": 0.5}
+    phases = {p: {"goodput": 0.4} for p in PHASES}
+    record = {"workload": {"phase_seconds": 60}, "verdict": {"best_static": "colocated_2x1"},
+              "configs": {"colocated_2x1": {"whole": whole, "phases": phases, "requests": requests},
+                          "autoscaled": {"whole": whole, "phases": phases, "requests": requests,
+                                         "actions": [timeline[2]],
+                                         "timeline": [{"t": x["t"], "prefill": x["prefill"], "decode": x["decode"],
+                                                       "pressure": {"prefill": 0.1, "decode": 1.5}}
+                                                      for x in timeline if x["kind"] == "signals"]}}}
+    plot(record, tmp_path / "autoscale.png")
+    assert (tmp_path / "autoscale.png").stat().st_size > 10_000
