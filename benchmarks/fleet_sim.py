@@ -14,9 +14,8 @@ For each fleet of N GPUs (one worker a GPU, each with its own KV blocks; the sto
 2. Colocated against the recommended split: goodput against rate (the same rates) and
    attainment against SLO scale (DistServe's second curve) at the middle rate.
 
-Objectives: TTFT <= ``--ttft-slo-mult`` x the unloaded TTFT at the request's own prompt length
-(probes at the window's median and 90th-percentile prompts, simulated on the colocated fleet),
-TPOT <= ``--tpot-slo-mult`` x the unloaded TPOT; one pair for every configuration of a size.
+Objectives (``objectives``): TTFT <= ``--ttft-slo-mult`` x the unloaded TTFT at the request's
+own prompt length, TPOT <= ``--tpot-slo-ms``; one pair for every configuration of a size.
 Writes ``OUT/fleet_sim.json`` and ``OUT/fleet_goodput.png`` (goodput per GPU against rate per
 GPU, and attainment against SLO scale, one panel per size), and prints one JSON line.
 """
@@ -30,8 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from planner.metrics import Slo
 from planner.recommend import candidates, recommend
-from planner.sim.run import Profiles
+from planner.sim.run import Profiles, unloaded
+from planner.workload_args import spec_from_args
+from planner.workloads import TokenSpace
 from planner.sim.sweep import SLO_SCALES, SweepSettings
 from planner.workload_args import add_workload_args
 
@@ -47,15 +49,32 @@ def _args(ns: argparse.Namespace) -> argparse.Namespace:
                          "--trace-prewarm", "none", "--seed", str(ns.seed)])
 
 
+def objectives(config, profiles: Profiles, args: argparse.Namespace, ns: argparse.Namespace) -> Slo:
+    """TTFT: ``--ttft-slo-mult`` x the unloaded TTFT at the request's own length (a line through
+    probes at the window's median and 90th-percentile prompts, on one GPU of the colocated
+    fleet); TPOT: ``--tpot-slo-ms``, fixed (a decode step's time grows with its context, so a
+    multiple of a median-context probe would fail every long conversation by construction)."""
+    from planner.workload_args import build_workload
+
+    wl = build_workload(args, None, args.seed * 1000)
+    space = spec_from_args(args, TokenSpace, "")
+    u = unloaded(config, profiles, space, wl.probe_shape(), 1, args.seed, wl.long_probe_prompt())
+    ttft = u.slo(ns.ttft_slo_mult, 1.0)
+    return Slo(ttft.ttft_s, ns.tpot_slo_ms / 1e3, ttft.ttft_per_token_s, ttft.ref_prompt_tokens)
+
+
 def run_size(n: int, profiles: Profiles, ns: argparse.Namespace, say: Any) -> dict[str, Any]:
     args = _args(ns)
     rates = tuple(round(r * n, 4) for r in ns.rates_per_gpu)
-    s = SweepSettings(rates, ns.point_seconds, 1, ns.ttft_slo_mult, ns.tpot_slo_mult, True, "first")
+    cands_probe = candidates(n, 1, [ns.chunk], ns.num_blocks, ns.max_context, 1 << 40, max_workers=n,
+                             prefill_shares=[], per_worker_blocks=True, block_size=ns.block_size)
+    slo = objectives(cands_probe[-1], profiles, args, ns)
     shares = [float(x) for x in ns.prefill_shares.split(",")]
     cands = candidates(n, 1, [ns.chunk], ns.num_blocks, ns.max_context, n * ns.store_gib_per_gpu << 30, max_workers=n,
                        prefill_shares=shares, per_worker_blocks=True, max_num_seqs=ns.max_num_seqs,
                        block_size=ns.block_size)
     cands = [c for c in cands if c.mode != "colocated" or c.colocated == n]   # the fleet, not one GPU
+    s = SweepSettings(rates, ns.point_seconds, 1, fixed_slo=slo)
     t0 = time.perf_counter()
     rec = recommend(cands, profiles, args, s, gpu=True, target=ns.attainment,
                     on_candidate=lambda row: say(f"{n} GPUs: {row['name']} {row['max_rate_90']:.3g} req/s "
@@ -125,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--point-seconds", type=float, default=1400.0,
                    help="each point's length (default 1400: the whole trace at its own rate and more)")
     p.add_argument("--ttft-slo-mult", type=float, default=5.0, help="TTFT objective / unloaded at its length")
-    p.add_argument("--tpot-slo-mult", type=float, default=3.0, help="TPOT objective / unloaded (default 3)")
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                   help="TPOT objective in ms, fixed (default 100: 10 tokens/s a stream)")
     p.add_argument("--attainment", type=float, default=0.9, help="the attainment goodput counts at (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthesized tokens (default 0)")
     p.add_argument("--out", default="results/fleet_sim", help="output directory (default %(default)s)")
