@@ -81,3 +81,8 @@ def test_wheel_installs_without_deps_and_imports(tmp_path):
     assert r.stdout.split() == [PROJECT["version"]] * 3
     # the engine's C kernel source travels with it (engine/model/native.py builds it on first use)
     assert (target / "engine" / "model" / "csrc" / "paged_decode.c").is_file()
+    # the planner's data: the Mooncake trace with its licence, the GPU profiles with their sources
+    assert (target / "planner" / "data" / "mooncake_synthetic_trace.jsonl").is_file()
+    assert (target / "planner" / "data" / "LICENSE").is_file()
+    assert (target / "planner" / "profiles" / "a100_vidur_llama3_8b.json").is_file()
+    assert (target / "planner" / "profiles" / "LICENSE.vidur").is_file()
