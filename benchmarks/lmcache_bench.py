@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import lifecycle
+from kvstore.daemon.local import start_local
 from kvstore.daemon.config import parse_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,14 +80,11 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float) -> 
 
 def start_daemon(memory: str, log_dir: Path) -> str:
     """A ``kvstore serve`` on loopback (as store_bench starts one); its address."""
-    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0", "--memory",
-                            memory, "--log-level", "WARNING"], cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=open(log_dir / "kvstore_daemon.log", "w"), text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    m = re.search(r"address=(\S+)", line)
-    if not m:
-        raise SystemExit(f"kvstore daemon did not start: {line!r} (see {log_dir}/kvstore_daemon.log)")
-    return m.group(1)
+    try:
+        return start_local(memory, popen=lifecycle.popen, cwd=REPO,
+                           stderr=open(log_dir / "kvstore_daemon.log", "w"))[1]
+    except RuntimeError as e:
+        raise SystemExit(f"{e} (see {log_dir}/kvstore_daemon.log)") from None
 
 
 def start_lm_server(log_dir: Path, timeout: float) -> int:

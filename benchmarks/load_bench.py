@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import lifecycle
+from kvstore.daemon.local import start_local
 
 REPO = Path(__file__).resolve().parents[1]
 L, H, D, BS = 30, 3, 64, 16  # SmolLM2-135M-Instruct's KV cache, block size 16
@@ -63,17 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHE_CLUSTER_SECRET", "KVSTORE_AUTH"))}
-    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
-                            "--memory", memory, "--log-level", "WARNING"],
-                           cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.search(r"address=(\S+)", line)
-    if not m:
-        lifecycle.stop(proc)
-        raise SystemExit(f"the daemon did not start: {line!r}")
-    return proc, m.group(1)
+    try:
+        return start_local(memory, popen=lifecycle.popen, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _cache(num_blocks: int, seed: int | None) -> torch.Tensor:

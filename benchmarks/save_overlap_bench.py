@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -33,23 +32,16 @@ import time
 from pathlib import Path
 
 from benchmarks import lifecycle
+from kvstore.daemon.local import start_local
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
-                             "--memory", memory], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"kvstore ready address=(\S+)", line or "")
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise SystemExit("kvstore serve did not start")
+    try:
+        return start_local(memory, popen=lifecycle.popen, cwd=REPO, log_level="INFO")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

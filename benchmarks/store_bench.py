@@ -57,7 +57,6 @@ import mmap
 import multiprocessing as mp
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -72,6 +71,7 @@ from kvstore.keys import BlockKey
 from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
 
 from benchmarks import lifecycle
+from kvstore.daemon.local import start_local
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,15 +83,10 @@ MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-v
 
 
 def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
-    proc = lifecycle.popen([sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0",
-                             "--memory", memory, "--log-level", "WARNING"], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    m = re.search(r"address=(\S+)", line)
-    if not m:
-        proc.kill()
-        raise SystemExit(f"daemon did not start: {line!r}")
-    return proc, m.group(1)
+    try:
+        return start_local(memory, popen=lifecycle.popen, cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _raw_sender(port: int, max_bytes: int) -> None:

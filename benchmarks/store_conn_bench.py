@@ -19,13 +19,13 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import re
 import resource
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvstore.daemon.local import start_local, stop_local
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,21 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore import Client
 
     _raise_nofile(args.connections + 512)
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--port", "0", "--memory", args.memory,
-         "--max-connections", str(args.connections + 100), "--log-level", "WARNING"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("KVCACHE_CLUSTER_SECRET", "KVSTORE_AUTH"))})
+    try:
+        daemon, address = start_local(args.memory, extra=["--max-connections", str(args.connections + 100)],
+                                      cwd=REPO)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     holder = None
     try:
-        assert daemon.stdout is not None
-        line = daemon.stdout.readline()
-        m = re.search(r"address=(\S+)", line)
-        if not m:
-            raise SystemExit(f"the daemon did not start: {line!r}")
-        address = m.group(1)
         port = int(address.rsplit(":", 1)[1])
         pid = daemon.pid
         rng = np.random.default_rng(args.seed)
@@ -159,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         if holder is not None:
             holder.join(30)
-        daemon.terminate()
-        daemon.wait(30)
+        stop_local(daemon, 30)
     result = {
         "bench": "store_conn_bench", "connections": args.connections, "open_s": round(open_s, 2),
         "daemon_connections": served, "transport": args.transport, "block_bytes": args.block_size,

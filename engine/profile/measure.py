@@ -25,7 +25,6 @@ import contextlib
 import datetime as _dt
 import os
 import platform
-import re
 import secrets
 import statistics
 import subprocess
@@ -109,34 +108,19 @@ def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None
 @contextlib.contextmanager
 def _daemon(memory_bytes: int) -> Iterator[tuple[str, str]]:
     """A loopback ``kvstore serve`` with a fresh secret: yields (address, secret)."""
+    from kvstore.daemon.local import start_local, stop_local
+
     secret = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvengine-profile-") as tmp:
         sfile = Path(tmp) / "secret"
         sfile.write_text(secret)
         sfile.chmod(0o600)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("KVCACHE_CLUSTER_SECRET", "KVSTORE_AUTH"))}
-        argv = [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--host", "127.0.0.1",
-                "--port", "0", "--memory", f"{max(64, memory_bytes >> 20)}M",
-                "--cluster-secret-file", str(sfile), "--log-level", "WARNING"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
+        proc, address = start_local(f"{max(64, memory_bytes >> 20)}M", secret_file=sfile,
+                                    popen=lambda argv, **kw: subprocess.Popen(argv, start_new_session=True, **kw))
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            m = re.search(r"address=(\S+)", line)
-            if not m:
-                raise RuntimeError(f"kvstore serve did not start: {line!r}")
-            yield m.group(1), secret
+            yield address, secret
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            stop_local(proc)
 
 
 def _tokens(gen: torch.Generator, vocab: int, n: int) -> list[int]:
