@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, in order (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="60 s halves (default: --phase-seconds)")
     p.add_argument("--phase-seconds", type=float, default=150.0, help="length of each half (default %(default)s)")
-    p.add_argument("--decode-rate", type=float, default=0.2, help="decode-heavy half: requests/s (default %(default)s)")
+    p.add_argument("--decode-rate", type=float, default=0.3, help="decode-heavy half: requests/s (default %(default)s)")
     p.add_argument("--decode-prompt", type=int, default=96,
                    help="mean prompt tokens of a short request, in both halves (default %(default)s)")
     p.add_argument("--decode-output", type=int, default=160,
@@ -297,16 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TTFT objective at --decode-prompt tokens (default %(default)s)")
     p.add_argument("--ttft-slo-per-token-ms", type=float, default=15.0,
                    help="the TTFT objective's rise per prompt token (default %(default)s)")
-    p.add_argument("--tpot-slo-ms", type=float, default=300.0, help="TPOT objective (default %(default)s)")
+    p.add_argument("--tpot-slo-ms", type=float, default=350.0, help="TPOT objective (default %(default)s)")
     p.add_argument("--itl-target-share", type=float, default=0.8,
                    help="the autoscaled router's ITL objective as a share of the TPOT SLO (default %(default)s)")
     p.add_argument("--scale-up-for", type=float, default=5.0, help="the autoscaled router's --scale-up-for (default %(default)s)")
     p.add_argument("--scale-down-for", type=float, default=15.0, help="its --scale-down-for (default %(default)s)")
     p.add_argument("--scale-cooldown", type=float, default=15.0, help="its --scale-cooldown (default %(default)s)")
-    p.add_argument("--scale-window", type=float, default=15.0, help="its --scale-window (default %(default)s)")
+    p.add_argument("--scale-window", type=float, default=30.0, help="its --scale-window (default %(default)s)")
     p.add_argument("--scale-prefill-share", type=float, default=0.2,
                    help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks a worker (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=96,
+                   help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them (default %(default)s)")
     p.add_argument("--store-memory", default="2G", help="the store daemon's arena (default %(default)s)")
     p.add_argument("--grace-seconds", type=float, default=60.0,
                    help="how long in-flight requests may finish after the workload (default %(default)s)")

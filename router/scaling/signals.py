@@ -21,11 +21,13 @@ each pool (:class:`PoolSignals`):
   by the caller and attributed to the decode pool: every token after a request's first comes
   from a decode-capable worker (where the router measures it, it does not know which one).
   None for the prefill pool, and without samples;
-- ``prefilling``: how many of its workers have prompt tokens queued or computing now (this
-  router's bookings), and ``prefill_busy``, the share of the pool's worker-time spent so over
-  the recent window (the caller's average of ``prefilling / workers``; None before it has
-  one): how much of the pool prefill takes, which in the colocated state is what a prefill
-  pool of its own would take off the decodes;
+- ``prefilling``: how many of its workers are computing a prompt now: this router has more
+  prefills booked there without their first token than the worker reports waiting (the rest
+  of the booked ones are admitted, so computing; a request that waits for room in the KV
+  cache is not prefill work), and ``prefill_busy``, the share of the pool's worker-time spent
+  so over the recent window (the caller's average of ``prefilling / workers``; None before it
+  has one): how much of the pool prefill takes, which in the colocated state is what a
+  prefill pool of its own would take off the decodes;
 - ``running`` / ``waiting``: what its workers last reported.
 """
 
@@ -79,6 +81,11 @@ def _queued_tokens(w: WorkerLoad) -> float:
     return w.pending_prefill_tokens + extra
 
 
+def _computing_prefill(w: WorkerLoad) -> bool:
+    """Whether one of this router's prefills there is admitted (so computing) now."""
+    return w.pending_prefill_tokens > 0 and w.pending_prefills > w.figures.waiting
+
+
 def _typical_prefill_s(loads: Sequence[WorkerLoad]) -> float:
     """One prefill of the pool's mean measured prompt (the rates' pivot before any sample),
     on its median worker."""
@@ -101,7 +108,7 @@ def _one_pool(pool: Pool, loads: Sequence[WorkerLoad], draining: int, itl_s: flo
         kv_utilization=(total - free) / total if total else 0.0,
         itl_s=itl_s if pool == "decode" else None,
         running=sum(w.figures.running for w in loads), waiting=sum(w.figures.waiting for w in loads),
-        prefilling=sum(_queued_tokens(w) > 0 for w in loads))
+        prefilling=sum(_computing_prefill(w) for w in loads))
 
 
 def pool_signals(loads: Sequence[WorkerLoad], itl_s: float | None) -> dict[Pool, PoolSignals]:

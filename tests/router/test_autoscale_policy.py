@@ -45,8 +45,8 @@ def _signals(pre_n: int, dec_n: int, *, ttft: float = 0.0, itl: float | None = N
 # --- signals ---------------------------------------------------------------------------------
 
 def test_pool_signals_from_the_books() -> None:
-    a = _load("p0", "prefill", queued=2000, waiting=1)
-    b = _load("p1", "prefill")
+    a = _load("p0", "prefill", queued=2000)                 # admitted: computing its prompt
+    b = _load("p1", "prefill", queued=500, waiting=1)       # booked, but waiting for room
     d = _load("d0", "decode", running=3, free=25, total=100)
     c = _load("c0", "colocated", free=75, total=100)
     leaving = _load("d1", "decode", draining=True, free=0)
@@ -54,10 +54,10 @@ def test_pool_signals_from_the_books() -> None:
     pre, dec = s["prefill"], s["decode"]
     assert (pre.workers, pre.draining, dec.workers, dec.draining) == (2, 0, 2, 1)
     # Nothing measured yet: each worker's rate is the prior (2000 tok/s), so the pool's is 4000;
-    # p0's one waiting request is this router's booking, not another's.
-    assert pre.queued_prompt_tokens == 2000 and pre.prefill_tokens_per_s == pytest.approx(4000)
+    # p1's one waiting request is this router's booking, not another's.
+    assert pre.queued_prompt_tokens == 2500 and pre.prefill_tokens_per_s == pytest.approx(4000)
     typical = a.prefill_cost.seconds(a.rates.pivot_tokens)
-    assert pre.predicted_ttft_s == pytest.approx(2000 / 4000 + typical)
+    assert pre.predicted_ttft_s == pytest.approx(2500 / 4000 + typical)
     assert pre.itl_s is None and dec.itl_s == 0.2
     assert dec.kv_utilization == pytest.approx((75 + 25) / 200)    # the draining worker not counted
     assert dec.running == 3 and (pre.prefilling, dec.prefilling) == (1, 0)
