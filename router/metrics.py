@@ -14,7 +14,7 @@ Scaling (``router.scaling``, set by each evaluation, label ``pool`` = ``prefill`
 signal over its objective: 1 is at it), ``kvrouter_pool_predicted_ttft_seconds`` (queued
 prompt tokens over the measured prefill rate, plus one typical prefill),
 ``kvrouter_pool_queued_prompt_tokens``, ``kvrouter_pool_prefill_busy`` (the share of the
-pool's worker-time with prompt tokens queued or computing, over the recent window),
+pool's worker-time spent computing a prompt, over the recent window),
 ``kvrouter_pool_kv_utilization`` and
 ``kvrouter_pool_itl_seconds`` (decode: the mean inter-token latency of the recent window;
 every ``itl`` observation also lands in ``recent_itl``, a ``RecentWindow``).
@@ -108,7 +108,7 @@ class RouterMetrics:
         self.pool_kv_utilization = Gauge("kvrouter_pool_kv_utilization",
                                          "KV-cache blocks in use over the pool's blocks", pool, registry=r)
         self.pool_prefill_busy = Gauge("kvrouter_pool_prefill_busy",
-                                       "Share of the pool's worker-time with prompt tokens queued or computing (recent window)",
+                                       "Share of the pool's worker-time spent computing a prompt (recent window)",
                                        pool, registry=r)
         self.pool_itl = Gauge("kvrouter_pool_itl_seconds",
                               "Mean inter-token latency of the recent window (the decode pool)",
