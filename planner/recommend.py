@@ -86,20 +86,18 @@ def devices_of(c: ClusterConfig, gpu: bool) -> int:
 
 
 def _why(rec: dict[str, Any], target: float) -> str:
-    slo = Slo(**rec["slo"])
+    """Why a configuration stops at its rate: at the first rate below ``target``, the share of
+    requests that missed the TTFT objective, the TPOT one, or failed."""
     for p in rec["points"]:
         s = p["summary"]
         if s["attainment"] < target:
-            ttft, tpot = s.get("ttft_s") or {}, s.get("tpot_s") or {}
-            ttft_over = (ttft.get("p90") or 0) / slo.ttft_s if slo.ttft_per_token_s == 0 else None
-            tpot_over = (tpot.get("p90") or 0) / slo.tpot_s
-            parts = [f"at {p['rate']:g} req/s attainment {s['attainment']:.0%}"]
-            if ttft_over is not None:
-                parts.append(f"p90 TTFT {ttft_over:.1f}x its objective")
-            parts.append(f"p90 TPOT {tpot_over:.1f}x its objective")
-            bound = ("decode-bound" if tpot_over > 1 and (ttft_over is None or tpot_over > ttft_over)
-                     else "prefill-bound")
-            return f"{bound}: " + ", ".join(parts)
+            m = p.get("misses") or {}
+            n = max(m.get("issued", 0), 1)
+            ttft, tpot, failed = m.get("ttft", 0) / n, m.get("tpot", 0) / n, m.get("failed", 0) / n
+            bound = "decode-bound" if tpot > ttft else "prefill-bound"
+            return (f"{bound}: at {p['rate']:g} req/s attainment {s['attainment']:.0%}; "
+                    f"{ttft:.0%} of requests missed the TTFT objective, {tpot:.0%} the TPOT one"
+                    + (f", {failed:.0%} did not finish" if failed else ""))
     return f"meets the objectives at every rate tried (up to {rec['points'][-1]['rate']:g} req/s)"
 
 
