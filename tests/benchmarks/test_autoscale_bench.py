@@ -43,7 +43,7 @@ def test_the_autoscaled_router_aims_at_the_slos() -> None:
     assert flags[flags.index("--scale-itl-target") + 1] == "0.2400"
     assert float(flags[flags.index("--scale-ttft-target") + 1]) == 3.0 + 0.015 * (1024 - 96)
     assert "--autoscale" in flags and "--max-workers" in flags
-    assert "--worker-arg=--num-blocks=1024" in up_flags("colocated_1x2", args, slo).split()
+    assert f"--worker-arg=--num-blocks={2 * args.num_blocks}" in up_flags("colocated_1x2", args, slo).split()
     assert "--threads-per-worker" not in up_flags("colocated_1x2", args, slo).split()[3:]
 
 
