@@ -126,7 +126,9 @@ def recommend(cands: list[ClusterConfig], profiles: Profiles, args: argparse.Nam
         ranked.append(row)
         if on_candidate:
             on_candidate(row)
-    ranked.sort(key=lambda r: (-r["goodput_per_device"], r["devices"], r["name"]))
+    # Ties (none reached the target at any rate: all 0) go to the best attainment at the
+    # lowest rate, then the fewer devices.
+    ranked.sort(key=lambda r: (-r["goodput_per_device"], -r["curve"][0]["attainment"], r["devices"], r["name"]))
     best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
     verdict = (f"{best['label']} ({best['name']}): {best['max_rate_90']:.3g} req/s at >= {target:.0%} "
                f"attainment on {best['devices']} devices, {best['goodput_per_device']:.3g} req/s per device")
