@@ -192,9 +192,12 @@ def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
     names = [r["name"] for r in rec["ranked"]]
     assert set(names) == {"colo1x2t_nochunk", "colo1x2t_chunk256", "colo2x1t_nochunk", "colo2x1t_chunk256",
                           "split1p1d_chunk256"}
-    assert rec["best"]["name"] == names[0] and "kvrouter up" in rec["best"]["command"]
+    assert rec["best"]["name"] == names[0]
+    commands = {r["name"]: r["command"] for r in rec["ranked"]}
+    assert commands["split1p1d_chunk256"].startswith("kvrouter up --model default --port 8000 --mode disaggregated")
+    assert "kvrouter serve --mode colocated" in commands["colo2x1t_chunk256"]   # up starts one colocated worker
     assert all(math.isfinite(r["goodput_per_device"]) for r in rec["ranked"])
-    assert "run it: kvrouter up" in p.stderr
+    assert f"run it: {rec['best']['command']}" in p.stderr
     assert argparse  # (the parser module is exercised through the CLI)
 
 
