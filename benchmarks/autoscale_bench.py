@@ -7,15 +7,24 @@ another in one run, on the same two-worker budget.
 
 Workload (``planner.workloads.MixedSpec``, seeded; token-id prompts, ``ignore_eos``, greedy,
 every request its own ``cache_salt``): for ``--phase-seconds`` short requests alone
-(``--decode-prompt`` tokens, ``--decode-output`` out, Poisson at ``--decode-rate``:
-decode-heavy), then for as long a mix at ``--prefill-rate`` where ``--prefill-share`` of the
-requests are huge prefills (``--prefill-prompt`` tokens, ``--prefill-output`` out) and the rest
-short ones of ``--prefill-short-output`` tokens (prefill-heavy), its arrivals shifted by the
-first half.
+(``--decode-prompt`` tokens, ``--decode-output`` out: decode-heavy), then for as long a mix
+where ``--prefill-share`` of the requests are huge prefills (``--prefill-prompt`` tokens,
+``--prefill-output`` out) and the rest short ones of ``--prefill-short-output`` tokens
+(prefill-heavy), its arrivals shifted by the first half.
 
-Configurations (``CONFIGS``), each ``kvrouter up`` with two CPUs' worth of workers (one torch
-thread each, unpinned; ``colocated_1x2`` one worker of two threads) and the same KV blocks in
-all (``--num-blocks`` a worker, twice that for the single worker):
+The load and the objectives follow the machine (its speed here moves 2x with what else runs):
+the first configuration is probed unloaded (``--probes`` short and huge requests, one at a
+time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.35) x what one worker's
+KV cache (``--num-blocks``) holds at once, so one decode worker cannot keep up and two can;
+the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.7) x what one worker
+prefills a second; objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt
+length (the line through both probes) and TPOT ``--tpot-slo-mult`` (2) x the unloaded TPOT,
+the same for every configuration (``--decode-rate``, ``--prefill-rate``, ``--ttft-slo-ms``,
+``--ttft-slo-per-token-ms``, ``--tpot-slo-ms`` fix them instead).
+
+Configurations (``CONFIGS``, the first one probed), each ``kvrouter up`` with two CPUs' worth
+of workers (one torch thread each, unpinned; ``colocated_1x2`` one worker of two threads) and
+the same KV blocks in all (``--num-blocks`` a worker, twice that for the single worker):
 
 - ``disagg_1p1d``: 1 prefill + 1 decode worker, ``--mode disaggregated``;
 - ``auto_1p1d``: the same in ``--mode auto`` (short prompts prefill on their decode worker);
@@ -23,13 +32,12 @@ all (``--num-blocks`` a worker, twice that for the single worker):
   serves its requests whole (the autoscaler's colocated state);
 - ``colocated_1x2``: ``--mode colocated``, one worker of two threads;
 - ``autoscaled``: ``--autoscale --max-workers 2``, starting as 1P+1D in ``--mode auto``; the
-  router's objectives follow the SLOs (``--scale-ttft-target`` the TTFT SLO at the long prompt,
-  ``--scale-itl-target`` ``--itl-target-share`` x the TPOT SLO) with ``--scale-*`` timings.
+  router's objectives follow the SLOs (``--scale-ttft-target`` the TTFT objective at the huge
+  prompt, ``--scale-itl-target`` ``--itl-target-share`` x the TPOT objective) with the
+  ``--scale-*`` timings below.
 
-Objectives, fixed and the same for all: TTFT <= ``--ttft-slo-ms`` + ``--ttft-slo-per-token-ms``
-x (prompt - ``--decode-prompt``) (a line in prompt length: long prompts take long to prefill
-alone) and TPOT <= ``--tpot-slo-ms``. Goodput: requests that met both over the workload's
-length (``2 x --phase-seconds``), over the whole run and per half. The verdict,
+Goodput: requests that met both objectives over the workload's length (``2 x
+--phase-seconds``), over the whole run and per half. The verdict,
 ``autoscaled_over_best_static``, is the autoscaled goodput over the best static one (target >= 1).
 
 Writes ``OUT/autoscale.json`` (also printed as one JSON line), ``OUT/autoscale.png`` (the
@@ -47,15 +55,19 @@ import asyncio
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import numpy as np
+
 from benchmarks import lifecycle
-from benchmarks.load_client import ClientConfig, fetch_model, run_workload
+from benchmarks.load_client import ClientConfig, fetch_model, run_workload, stream_completion
 from benchmarks.serve_bench import machine_info
 from benchmarks.sweep import Configuration, Launched
 from planner.metrics import RequestResult, Slo, summarize
@@ -71,6 +83,58 @@ CONFIGS: dict[str, str] = {
 }
 STATIC = [n for n in CONFIGS if n != "autoscaled"]
 PHASES = ("decode_heavy", "prefill_heavy")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Unloaded latencies on the first configuration, one request at a time (medians)."""
+
+    ttft_short_s: float
+    tpot_s: float
+    ttft_long_s: float
+
+
+async def probe(url: str, model: str, args: argparse.Namespace, space: TokenSpace) -> Probe:
+    """``--probes`` short requests (``--decode-prompt`` tokens, 32 out), then as many huge
+    prefills (``--prefill-prompt`` tokens, 2 out), each alone."""
+    rng = np.random.default_rng([args.seed, 4])
+    cfg = ClientConfig(url, model, progress=False, request_salt=f"probe-{uuid.uuid4().hex[:8]}-")
+    got: dict[str, list[RequestResult]] = {"s": [], "l": []}
+    async with aiohttp.ClientSession() as session:
+        for i, (kind, prompt, out) in enumerate([("s", args.decode_prompt, 32)] * args.probes
+                                                + [("l", args.prefill_prompt, 2)] * args.probes):
+            req = BenchRequest(f"probe-{i}", space.random(rng, prompt), out)
+            res = RequestResult(req.request_id, kind, prompt, out)
+            await stream_completion(session, cfg, req, res, time.perf_counter())
+            if res.error or res.ttft_s is None:
+                raise RuntimeError(f"probe {req.request_id} failed: {res.error}")
+            got[kind].append(res)
+    return Probe(statistics.median(r.ttft_s or 0.0 for r in got["s"]),
+                 statistics.median(r.tpot_s or 0.0 for r in got["s"]),
+                 statistics.median(r.ttft_s or 0.0 for r in got["l"]))
+
+
+def calibrate(args: argparse.Namespace, p: Probe) -> tuple[float, float, Slo]:
+    """(decode-heavy rate, prefill-heavy rate, objectives) from the probe, unless given.
+
+    Decode-heavy: ``--decode-load`` x what one worker's KV cache holds at once (``--num-blocks``
+    over a request's blocks at its longest prompt), over a request's life (its output at 1.5x
+    the unloaded TPOT, plus its TTFT): one decode worker cannot hold that, two can. Prefill-heavy:
+    huge prefills at ``--prefill-load`` x what one worker prefills a second (1 / their unloaded
+    TTFT), ``--prefill-share`` of the requests. Objectives: TTFT ``--ttft-slo-mult`` x the
+    unloaded TTFT at each prompt length (the line through both probes), TPOT ``--tpot-slo-mult``
+    x the unloaded TPOT."""
+    blocks = math.ceil((args.decode_prompt * 1.25 + args.decode_output) / 16)
+    slots = max(1, args.num_blocks // blocks)
+    life = args.decode_output * p.tpot_s * 1.5 + p.ttft_short_s
+    decode_rate = args.decode_rate or args.decode_load * slots / life
+    prefill_rate = args.prefill_rate or args.prefill_load / p.ttft_long_s / args.prefill_share
+    ttft = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_slo_mult * p.ttft_short_s
+    slope = (args.ttft_slo_per_token_ms / 1e3 if args.ttft_slo_per_token_ms is not None else
+             max(0.0, args.ttft_slo_mult * p.ttft_long_s - ttft) / (args.prefill_prompt - args.decode_prompt))
+    slope = min(slope, 0.9 * ttft / args.decode_prompt)   # the objective stays positive at 0 tokens
+    tpot = args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else args.tpot_slo_mult * p.tpot_s
+    return decode_rate, prefill_rate, Slo(ttft, tpot, slope, args.decode_prompt)
 
 
 def shifting_workload(args: argparse.Namespace, space: TokenSpace) -> Workload:
@@ -97,17 +161,13 @@ def shifting_workload(args: argparse.Namespace, space: TokenSpace) -> Workload:
         "requests": {t: sum(r.tag == t for r in requests) for t in PHASES}})
 
 
-def slo_of(args: argparse.Namespace) -> Slo:
-    return Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.ttft_slo_per_token_ms / 1e3,
-               args.decode_prompt)
-
-
-def up_flags(name: str, args: argparse.Namespace, slo: Slo) -> str:
+def up_flags(name: str, args: argparse.Namespace, slo: Slo | None) -> str:
     blocks = args.num_blocks * (2 if name == "colocated_1x2" else 1)
     flags = f"{CONFIGS[name]} --worker-arg=--num-blocks={blocks}"
     if "--threads-per-worker" not in flags:
         flags += " --threads-per-worker 1"
     if name == "autoscaled":
+        assert slo is not None
         flags += (f" --scale-ttft-target {slo.ttft_objective(args.prefill_prompt):.3f}"
                   f" --scale-itl-target {args.itl_target_share * slo.tpot_s:.4f}"
                   f" --scale-up-for {args.scale_up_for} --scale-down-for {args.scale_down_for}"
@@ -140,19 +200,41 @@ def read_timeline(path: Path, t0: float) -> list[dict[str, Any]]:
     return out
 
 
-def run_config(name: str, args: argparse.Namespace, workload: Workload, slo: Slo, out: Path) -> dict[str, Any]:
+@dataclass
+class Plan:
+    """The workload and objectives, fixed by the first configuration's probe (``calibrate``)."""
+
+    workload: Workload | None = None
+    slo: Slo | None = None
+    probe: Probe | None = None
+
+
+def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpace, out: Path) -> dict[str, Any]:
     cdir = out / name
     shutil.rmtree(cdir / "logs", ignore_errors=True)   # an earlier run's timeline is not this one's
     cdir.mkdir(parents=True, exist_ok=True)
-    command = (f"{PY} -m router.cli up --model {args.model} --port {args.port} --log-dir {cdir / 'logs'} "
-               f"--store-memory {args.store_memory} {up_flags(name, args, slo)}")
-    res: dict[str, Any] = {"command": command.replace(PY, "python")}
+    res: dict[str, Any] = {}
     launched = None
     try:
+        if plan.slo is None and name == "autoscaled":
+            raise RuntimeError("the autoscaled cluster's objectives come from a static configuration's "
+                               "probe: list one before it in --configs")
+        command = (f"{PY} -m router.cli up --model {args.model} --port {args.port} --log-dir {cdir / 'logs'} "
+                   f"--store-memory {args.store_memory} {up_flags(name, args, plan.slo)}")
+        res["command"] = command.replace(PY, "python")
         launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
         launched.wait_ready(args.ready_timeout)
         url = f"http://127.0.0.1:{args.port}"
         model = asyncio.run(fetch_model(url))
+        if plan.workload is None:   # the first configuration: probe, then fix the load and objectives
+            plan.probe = asyncio.run(probe(url, model, args, space))
+            args.decode_rate, args.prefill_rate, plan.slo = calibrate(args, plan.probe)
+            plan.workload = shifting_workload(args, space)
+            res["probed"] = True
+            print(f"[autoscale_bench] probe on {name}: {plan.probe}; rates {args.decode_rate:.3f} / "
+                  f"{args.prefill_rate:.3f} req/s; {plan.slo}", file=sys.stderr, flush=True)
+        workload, slo = plan.workload, plan.slo
+        assert slo is not None
         longest = max(workload.requests, key=lambda r: len(r.prompt))
         warm = [BenchRequest("warm-short", workload.requests[0].prompt, 4),
                 BenchRequest("warm-long", longest.prompt, 2, after="warm-short")]
@@ -279,32 +361,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, in order (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="60 s halves (default: --phase-seconds)")
     p.add_argument("--phase-seconds", type=float, default=150.0, help="length of each half (default %(default)s)")
-    p.add_argument("--decode-rate", type=float, default=0.3, help="decode-heavy half: requests/s (default %(default)s)")
     p.add_argument("--decode-prompt", type=int, default=96,
                    help="mean prompt tokens of a short request, in both halves (default %(default)s)")
-    p.add_argument("--decode-output", type=int, default=160,
+    p.add_argument("--decode-output", type=int, default=192,
                    help="decode-heavy half: output tokens (default %(default)s)")
-    p.add_argument("--prefill-rate", type=float, default=0.2, help="prefill-heavy half: requests/s (default %(default)s)")
-    p.add_argument("--prefill-share", type=float, default=0.5,
+    p.add_argument("--decode-rate", type=float, default=None,
+                   help="decode-heavy half: requests/s (default: from the probe and --decode-load)")
+    p.add_argument("--decode-load", type=float, default=1.35,
+                   help="decode-heavy half: requests held at once over what one worker's KV cache "
+                        "holds (default %(default)s)")
+    p.add_argument("--prefill-share", type=float, default=0.6,
                    help="prefill-heavy half: the share of huge prefills, the rest short requests (default %(default)s)")
-    p.add_argument("--prefill-prompt", type=int, default=1024,
+    p.add_argument("--prefill-prompt", type=int, default=640,
                    help="prefill-heavy half: mean prompt tokens of a huge prefill (default %(default)s)")
     p.add_argument("--prefill-output", type=int, default=16,
                    help="prefill-heavy half: output tokens of a huge prefill (default %(default)s)")
-    p.add_argument("--prefill-short-output", type=int, default=32,
+    p.add_argument("--prefill-short-output", type=int, default=16,
                    help="prefill-heavy half: output tokens of its short requests (default %(default)s)")
-    p.add_argument("--ttft-slo-ms", type=float, default=3000.0,
-                   help="TTFT objective at --decode-prompt tokens (default %(default)s)")
-    p.add_argument("--ttft-slo-per-token-ms", type=float, default=15.0,
-                   help="the TTFT objective's rise per prompt token (default %(default)s)")
-    p.add_argument("--tpot-slo-ms", type=float, default=350.0, help="TPOT objective (default %(default)s)")
+    p.add_argument("--prefill-rate", type=float, default=None,
+                   help="prefill-heavy half: requests/s (default: from the probe and --prefill-load)")
+    p.add_argument("--prefill-load", type=float, default=0.7,
+                   help="prefill-heavy half: huge prefills a second over what one worker prefills "
+                        "a second (default %(default)s)")
+    p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")
+    p.add_argument("--ttft-slo-mult", type=float, default=5.0,
+                   help="TTFT objective: this x the unloaded TTFT at each prompt length (default %(default)s)")
+    p.add_argument("--tpot-slo-mult", type=float, default=2.0,
+                   help="TPOT objective: this x the unloaded TPOT (default %(default)s)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="fix the TTFT objective at --decode-prompt tokens instead (ms)")
+    p.add_argument("--ttft-slo-per-token-ms", type=float, default=None,
+                   help="fix the TTFT objective's rise per prompt token instead (ms)")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="fix the TPOT objective instead (ms)")
     p.add_argument("--itl-target-share", type=float, default=0.8,
                    help="the autoscaled router's ITL objective as a share of the TPOT SLO (default %(default)s)")
     p.add_argument("--scale-up-for", type=float, default=5.0, help="the autoscaled router's --scale-up-for (default %(default)s)")
     p.add_argument("--scale-down-for", type=float, default=15.0, help="its --scale-down-for (default %(default)s)")
     p.add_argument("--scale-cooldown", type=float, default=15.0, help="its --scale-cooldown (default %(default)s)")
-    p.add_argument("--scale-window", type=float, default=30.0, help="its --scale-window (default %(default)s)")
-    p.add_argument("--scale-prefill-share", type=float, default=0.2,
+    p.add_argument("--scale-window", type=float, default=20.0, help="its --scale-window (default %(default)s)")
+    p.add_argument("--scale-prefill-share", type=float, default=0.25,
                    help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=96,
                    help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them (default %(default)s)")
@@ -331,18 +426,21 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         sys.exit(f"autoscale_bench: unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     space = TokenSpace(vocab_size=args.vocab_size)
-    workload, slo = shifting_workload(args, space), slo_of(args)
+    plan = Plan()
     t_start = time.time()
     configs: dict[str, dict[str, Any]] = {}
     interrupted = None
     try:
         for name in names:
-            configs[name] = run_config(name, args, workload, slo, out)
+            configs[name] = run_config(name, args, plan, space, out)
     except lifecycle.Interrupted as stop:
         interrupted = stop
+    slo = plan.slo
     record = {"bench": "autoscale", "machine": machine_info(), "seconds": round(time.time() - t_start, 1),
-              "workload": workload.scaling, "slo": {"ttft_s": slo.ttft_s, "ttft_per_token_s": slo.ttft_per_token_s,
-                                                    "ref_prompt_tokens": slo.ref_prompt_tokens, "tpot_s": slo.tpot_s},
+              "probe": asdict(plan.probe) if plan.probe else None,
+              "workload": plan.workload.scaling if plan.workload else {"phase_seconds": args.phase_seconds},
+              "slo": None if slo is None else {"ttft_s": slo.ttft_s, "ttft_per_token_s": slo.ttft_per_token_s,
+                                               "ref_prompt_tokens": slo.ref_prompt_tokens, "tpot_s": slo.tpot_s},
               "configs": configs, "verdict": verdict(configs),
               "errors": [f"{n}: {c['error']}" for n, c in configs.items() if "error" in c],
               **({"interrupted": str(interrupted)} if interrupted else {})}

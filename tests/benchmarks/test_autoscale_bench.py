@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.autoscale_bench import (PHASES, build_parser, plot, read_timeline, shifting_workload,
-                                        slo_of, up_flags, verdict)
+import pytest
+
+from benchmarks.autoscale_bench import (PHASES, Probe, build_parser, calibrate, plot, read_timeline,
+                                        shifting_workload, up_flags, verdict)
 from planner.workloads import TokenSpace
 
 
@@ -26,8 +28,8 @@ def test_the_workload_shifts_at_the_half() -> None:
     assert first and second and all(r.arrival_s < 60 for r in first)
     assert all(60 <= r.arrival_s < 120 for r in second)
     assert all(r.max_tokens == args.decode_output and len(r.prompt) < 2 * args.decode_prompt for r in first)
-    huge = [r for r in second if r.max_tokens == args.prefill_output]
-    assert 0.25 < len(huge) / len(second) < 0.75 and min(len(r.prompt) for r in huge) > 700
+    huge = [r for r in second if len(r.prompt) > 2 * args.decode_prompt]
+    assert 0.25 < len(huge) / len(second) < 0.75 and min(len(r.prompt) for r in huge) >= 0.75 * args.prefill_prompt
     assert sum(len(r.prompt) for r in second) > 3 * sum(len(r.prompt) for r in first)   # prefill-heavy ...
     assert sum(r.max_tokens for r in first) > 3 * sum(r.max_tokens for r in second)     # ... after decode-heavy
     assert len({r.request_id for r in wl.requests}) == len(wl.requests)
@@ -35,16 +37,24 @@ def test_the_workload_shifts_at_the_half() -> None:
     assert [r.prompt for r in again.requests] == [r.prompt for r in wl.requests]
 
 
-def test_the_autoscaled_router_aims_at_the_slos() -> None:
-    args = _args("--tpot-slo-ms", "300", "--itl-target-share", "0.8", "--ttft-slo-ms", "3000",
-                 "--ttft-slo-per-token-ms", "15", "--prefill-prompt", "1024", "--decode-prompt", "96")
-    slo = slo_of(args)
+def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() -> None:
+    args = _args("--num-blocks", "96", "--decode-prompt", "96", "--decode-output", "192",
+                 "--prefill-prompt", "640", "--prefill-share", "0.6")
+    decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0))
+    # One worker's cache holds 96 // ceil((96 x 1.25 + 192) / 16) = 4 requests; each lives
+    # 192 x 0.15 x 1.5 + 0.8 s; 1.35x that: one decode worker cannot keep up, two can.
+    assert decode_rate == pytest.approx(1.35 * 4 / (192 * 0.15 * 1.5 + 0.8))
+    assert prefill_rate == pytest.approx(0.7 / 4.0 / 0.6)
+    assert (slo.ttft_s, slo.tpot_s) == (pytest.approx(4.0), pytest.approx(0.3))
+    assert slo.ttft_objective(640) == pytest.approx(20.0)
     flags = up_flags("autoscaled", args, slo).split()
     assert flags[flags.index("--scale-itl-target") + 1] == "0.2400"
-    assert float(flags[flags.index("--scale-ttft-target") + 1]) == 3.0 + 0.015 * (1024 - 96)
+    assert float(flags[flags.index("--scale-ttft-target") + 1]) == pytest.approx(20.0, abs=1e-3)
     assert "--autoscale" in flags and "--max-workers" in flags
     assert f"--worker-arg=--num-blocks={2 * args.num_blocks}" in up_flags("colocated_1x2", args, slo).split()
     assert "--threads-per-worker" not in up_flags("colocated_1x2", args, slo).split()[3:]
+    fixed = calibrate(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"), Probe(0.8, 0.15, 4.0))
+    assert fixed[0] == 0.5 and fixed[2].tpot_s == 0.25
 
 
 def test_verdict_is_against_the_best_static() -> None:
