@@ -16,9 +16,10 @@ The load and the objectives follow the machine (its speed here moves 2x with wha
 the first configuration is probed unloaded (``--probes`` short and huge requests, one at a
 time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.35) x what one worker's
 KV cache (``--num-blocks``) holds at once, so one decode worker cannot keep up and two can;
-the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.7) x what one worker
+the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.6) x what one worker
 prefills a second; objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt
-length (the line through both probes) and TPOT ``--tpot-slo-mult`` (2) x the unloaded TPOT,
+length (the line through both probes) and TPOT ``--tpot-slo-mult`` (4) x the unloaded TPOT of a
+lone request (two workers decoding at once here step at 2.5-3.5x a lone one's time),
 the same for every configuration (``--decode-rate``, ``--prefill-rate``, ``--ttft-slo-ms``,
 ``--ttft-slo-per-token-ms``, ``--tpot-slo-ms`` fix them instead).
 
@@ -83,6 +84,7 @@ CONFIGS: dict[str, str] = {
 }
 STATIC = [n for n in CONFIGS if n != "autoscaled"]
 PHASES = ("decode_heavy", "prefill_heavy")
+LOADED_TPOT = 2.5   # measured here: two workers decoding at once step at 2.5-3.5x a lone one's time
 
 
 @dataclass(frozen=True)
@@ -118,15 +120,15 @@ def calibrate(args: argparse.Namespace, p: Probe) -> tuple[float, float, Slo]:
     """(decode-heavy rate, prefill-heavy rate, objectives) from the probe, unless given.
 
     Decode-heavy: ``--decode-load`` x what one worker's KV cache holds at once (``--num-blocks``
-    over a request's blocks at its longest prompt), over a request's life (its output at 1.5x
-    the unloaded TPOT, plus its TTFT): one decode worker cannot hold that, two can. Prefill-heavy:
+    over a request's blocks at its longest prompt), over a request's life (its output at
+    ``LOADED_TPOT`` x the unloaded TPOT, plus its TTFT): one decode worker cannot hold that, two can. Prefill-heavy:
     huge prefills at ``--prefill-load`` x what one worker prefills a second (1 / their unloaded
     TTFT), ``--prefill-share`` of the requests. Objectives: TTFT ``--ttft-slo-mult`` x the
     unloaded TTFT at each prompt length (the line through both probes), TPOT ``--tpot-slo-mult``
     x the unloaded TPOT."""
     blocks = math.ceil((args.decode_prompt * 1.25 + args.decode_output) / 16)
     slots = max(1, args.num_blocks // blocks)
-    life = args.decode_output * p.tpot_s * 1.5 + p.ttft_short_s
+    life = args.decode_output * p.tpot_s * LOADED_TPOT + p.ttft_short_s
     decode_rate = args.decode_rate or args.decode_load * slots / life
     prefill_rate = args.prefill_rate or args.prefill_load / p.ttft_long_s / args.prefill_share
     ttft = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_slo_mult * p.ttft_short_s
@@ -363,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-seconds", type=float, default=150.0, help="length of each half (default %(default)s)")
     p.add_argument("--decode-prompt", type=int, default=96,
                    help="mean prompt tokens of a short request, in both halves (default %(default)s)")
-    p.add_argument("--decode-output", type=int, default=192,
+    p.add_argument("--decode-output", type=int, default=96,
                    help="decode-heavy half: output tokens (default %(default)s)")
     p.add_argument("--decode-rate", type=float, default=None,
                    help="decode-heavy half: requests/s (default: from the probe and --decode-load)")
@@ -372,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds (default %(default)s)")
     p.add_argument("--prefill-share", type=float, default=0.6,
                    help="prefill-heavy half: the share of huge prefills, the rest short requests (default %(default)s)")
-    p.add_argument("--prefill-prompt", type=int, default=640,
+    p.add_argument("--prefill-prompt", type=int, default=512,
                    help="prefill-heavy half: mean prompt tokens of a huge prefill (default %(default)s)")
     p.add_argument("--prefill-output", type=int, default=16,
                    help="prefill-heavy half: output tokens of a huge prefill (default %(default)s)")
@@ -380,13 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill-heavy half: output tokens of its short requests (default %(default)s)")
     p.add_argument("--prefill-rate", type=float, default=None,
                    help="prefill-heavy half: requests/s (default: from the probe and --prefill-load)")
-    p.add_argument("--prefill-load", type=float, default=0.7,
+    p.add_argument("--prefill-load", type=float, default=0.6,
                    help="prefill-heavy half: huge prefills a second over what one worker prefills "
                         "a second (default %(default)s)")
     p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")
     p.add_argument("--ttft-slo-mult", type=float, default=5.0,
                    help="TTFT objective: this x the unloaded TTFT at each prompt length (default %(default)s)")
-    p.add_argument("--tpot-slo-mult", type=float, default=2.0,
+    p.add_argument("--tpot-slo-mult", type=float, default=4.0,
                    help="TPOT objective: this x the unloaded TPOT (default %(default)s)")
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="fix the TTFT objective at --decode-prompt tokens instead (ms)")
@@ -401,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-window", type=float, default=20.0, help="its --scale-window (default %(default)s)")
     p.add_argument("--scale-prefill-share", type=float, default=0.25,
                    help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=96,
+    p.add_argument("--num-blocks", type=int, default=48,
                    help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them (default %(default)s)")
     p.add_argument("--store-memory", default="2G", help="the store daemon's arena (default %(default)s)")
     p.add_argument("--grace-seconds", type=float, default=60.0,

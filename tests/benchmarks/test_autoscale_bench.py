@@ -39,11 +39,12 @@ def test_the_workload_shifts_at_the_half() -> None:
 
 def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() -> None:
     args = _args("--num-blocks", "96", "--decode-prompt", "96", "--decode-output", "192",
-                 "--prefill-prompt", "640", "--prefill-share", "0.6")
+                 "--prefill-prompt", "640", "--prefill-share", "0.6", "--prefill-load", "0.7",
+                 "--tpot-slo-mult", "2")
     decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0))
     # One worker's cache holds 96 // ceil((96 x 1.25 + 192) / 16) = 4 requests; each lives
-    # 192 x 0.15 x 1.5 + 0.8 s; 1.35x that: one decode worker cannot keep up, two can.
-    assert decode_rate == pytest.approx(1.35 * 4 / (192 * 0.15 * 1.5 + 0.8))
+    # 192 x 0.15 x 2.5 + 0.8 s; 1.35x that: one decode worker cannot keep up, two can.
+    assert decode_rate == pytest.approx(1.35 * 4 / (192 * 0.15 * 2.5 + 0.8))
     assert prefill_rate == pytest.approx(0.7 / 4.0 / 0.6)
     assert (slo.ttft_s, slo.tpot_s) == (pytest.approx(4.0), pytest.approx(0.3))
     assert slo.ttft_objective(640) == pytest.approx(20.0)
