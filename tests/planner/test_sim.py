@@ -185,13 +185,12 @@ def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
     assert rec["simulated"] and set(rec["configs"]) == {"split", "colo"}
     assert [pt["rate"] for pt in rec["configs"]["split"]["curve"]] == [0.5, 2.0]
     assert (out / "simulate.json").is_file() and (out / "goodput_vs_rate.png").stat().st_size > 0
-    p = subprocess.run([sys.executable, "-m", "planner.cli", "recommend", "--devices", "2", "--chunks", "0,256",
+    p = subprocess.run([sys.executable, "-m", "planner.cli", "recommend", "--devices", "2", "--chunks", "256",
                         *common, "--out", str(tmp_path / "rec")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     names = [r["name"] for r in rec["ranked"]]
-    assert set(names) == {"colo1x2t_nochunk", "colo1x2t_chunk256", "colo2x1t_nochunk", "colo2x1t_chunk256",
-                          "split1p1d_chunk256"}
+    assert set(names) == {"colo1x2t_chunk256", "colo2x1t_chunk256", "split1p1d_chunk256"}
     assert rec["best"]["name"] == names[0]
     commands = {r["name"]: r["command"] for r in rec["ranked"]}
     assert commands["split1p1d_chunk256"].startswith("kvrouter up --model default --port 8000 --mode disaggregated")
