@@ -14,12 +14,12 @@ where ``--prefill-share`` of the requests are huge prefills (``--prefill-prompt`
 
 The load and the objectives follow the machine (its speed here moves 2x with what else runs):
 the first configuration is probed unloaded (``--probes`` short and huge requests, one at a
-time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.35) x what one worker's
+time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.3) x what one worker's
 KV cache (``--num-blocks``) holds at once, so one decode worker cannot keep up and two can;
 the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.6) x what one worker
 prefills a second; objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt
 length (the line through both probes) and TPOT ``--tpot-slo-mult`` (4) x the unloaded TPOT of a
-lone request (two workers decoding at once here step at 2.5-3.5x a lone one's time),
+lone request (two workers decoding at once here step at 1.8-3.5x a lone one's time),
 the same for every configuration (``--decode-rate``, ``--prefill-rate``, ``--ttft-slo-ms``,
 ``--ttft-slo-per-token-ms``, ``--tpot-slo-ms`` fix them instead).
 
@@ -27,11 +27,11 @@ Configurations (``CONFIGS``, the first one probed), each ``kvrouter up`` with tw
 of workers (one torch thread each, unpinned; ``colocated_1x2`` one worker of two threads) and
 the same KV blocks in all (``--num-blocks`` a worker, twice that for the single worker):
 
-- ``disagg_1p1d``: 1 prefill + 1 decode worker, ``--mode disaggregated``;
-- ``auto_1p1d``: the same in ``--mode auto`` (short prompts prefill on their decode worker);
 - ``colocated_2x1``: ``--mode auto`` with two decode workers and no prefill worker: each
   serves its requests whole (the autoscaler's colocated state);
 - ``colocated_1x2``: ``--mode colocated``, one worker of two threads;
+- ``disagg_1p1d``: 1 prefill + 1 decode worker, ``--mode disaggregated``;
+- ``auto_1p1d``: the same in ``--mode auto`` (short prompts prefill on their decode worker);
 - ``autoscaled``: ``--autoscale --max-workers 2``, starting as 1P+1D in ``--mode auto``; the
   router's objectives follow the SLOs (``--scale-ttft-target`` the TTFT objective at the huge
   prompt, ``--scale-itl-target`` ``--itl-target-share`` x the TPOT objective) with the
@@ -76,15 +76,15 @@ from planner.workloads import BenchRequest, MixedSpec, TokenSpace, Workload
 
 PY = sys.executable
 CONFIGS: dict[str, str] = {
-    "disagg_1p1d": "--mode disaggregated --prefill 1 --decode 1",
-    "auto_1p1d": "--mode auto --prefill 1 --decode 1",
     "colocated_2x1": "--mode auto --prefill 0 --decode 2",
     "colocated_1x2": "--mode colocated --threads-per-worker 2",
+    "disagg_1p1d": "--mode disaggregated --prefill 1 --decode 1",
+    "auto_1p1d": "--mode auto --prefill 1 --decode 1",
     "autoscaled": "--autoscale --max-workers 2 --prefill 1 --decode 1",
 }
 STATIC = [n for n in CONFIGS if n != "autoscaled"]
 PHASES = ("decode_heavy", "prefill_heavy")
-LOADED_TPOT = 2.5   # measured here: two workers decoding at once step at 2.5-3.5x a lone one's time
+LOADED_TPOT = 2.0   # measured here: two workers decoding at once step at 1.8-3.5x a lone one's time
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode-heavy half: output tokens (default %(default)s)")
     p.add_argument("--decode-rate", type=float, default=None,
                    help="decode-heavy half: requests/s (default: from the probe and --decode-load)")
-    p.add_argument("--decode-load", type=float, default=1.35,
+    p.add_argument("--decode-load", type=float, default=1.3,
                    help="decode-heavy half: requests held at once over what one worker's KV cache "
                         "holds (default %(default)s)")
     p.add_argument("--prefill-share", type=float, default=0.6,

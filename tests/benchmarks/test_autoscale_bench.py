@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.autoscale_bench import (PHASES, Probe, build_parser, calibrate, plot, read_timeline,
+from benchmarks.autoscale_bench import (LOADED_TPOT, PHASES, Probe, build_parser, calibrate, plot, read_timeline,
                                         shifting_workload, up_flags, verdict)
 from planner.workloads import TokenSpace
 
@@ -45,8 +45,8 @@ def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() 
                  "--tpot-slo-mult", "2")
     decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0))
     # One worker's cache holds 96 // ceil((96 x 1.25 + 192) / 16) = 4 requests; each lives
-    # 192 x 0.15 x 2.5 + 0.8 s; 1.35x that: one decode worker cannot keep up, two can.
-    assert decode_rate == pytest.approx(1.35 * 4 / (192 * 0.15 * 2.5 + 0.8))
+    # 192 x 0.15 x LOADED_TPOT + 0.8 s; 1.3x that: one decode worker cannot keep up, two can.
+    assert decode_rate == pytest.approx(1.3 * 4 / (192 * 0.15 * LOADED_TPOT + 0.8))
     assert prefill_rate == pytest.approx(0.7 / 4.0 / 0.6)
     assert (slo.ttft_s, slo.tpot_s) == (pytest.approx(4.0), pytest.approx(0.3))
     assert slo.ttft_objective(640) == pytest.approx(20.0)
