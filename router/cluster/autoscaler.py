@@ -40,8 +40,9 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.secret import bearer_headers
+from router.cluster.child import ChildProcess
 from router.cluster.launcher import LocalCluster
-from router.cluster.levers import WORKER_KINDS, LeverCancelled, LeverFailed, Levers
+from router.cluster.levers import WORKER_KINDS, LeverCancelled, Levers
 from router.scaling.plan import Action, Layout, WorkerState, actions, fit_budget, role_of_pool
 from router.scaling.signals import POOLS, Pool
 
@@ -126,11 +127,11 @@ class Autoscaler:
                 self.step()
             except LeverCancelled:
                 return
-            except (httpx.HTTPError, ValueError, KeyError, LeverFailed) as exc:
+            except Exception as exc:  # noqa: BLE001 - the router away, a lever that failed: next round
                 self.say(f"autoscale: round failed ({type(exc).__name__}: {exc}); trying again")
 
     # --- one round ------------------------------------------------------------------------
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[ChildProcess]:
         """The worker children that count against the budget (all but stopped ones)."""
         return [c for c in self.cluster.children if c.kind in WORKER_KINDS and not c.deliberate]
 
