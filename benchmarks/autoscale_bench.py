@@ -14,9 +14,9 @@ where ``--prefill-share`` of the requests are huge prefills (``--prefill-prompt`
 
 The load and the objectives follow the machine (its speed here moves 2x with what else runs):
 the first configuration is probed unloaded (``--probes`` short and huge requests, one at a
-time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.3) x what one worker's
+time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.6) x what one worker's
 KV cache (``--num-blocks``) holds at once, so one decode worker cannot keep up and two can;
-the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.6) x what one worker
+the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.8) x what one worker
 prefills a second; objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt
 length (the line through both probes) and TPOT ``--tpot-slo-mult`` (4) x the unloaded TPOT of a
 lone request (two workers decoding at once here step at 1.8-3.5x a lone one's time),
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode-heavy half: output tokens (default %(default)s)")
     p.add_argument("--decode-rate", type=float, default=None,
                    help="decode-heavy half: requests/s (default: from the probe and --decode-load)")
-    p.add_argument("--decode-load", type=float, default=1.3,
+    p.add_argument("--decode-load", type=float, default=1.6,
                    help="decode-heavy half: requests held at once over what one worker's KV cache "
                         "holds (default %(default)s)")
     p.add_argument("--prefill-share", type=float, default=0.6,
@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill-heavy half: output tokens of its short requests (default %(default)s)")
     p.add_argument("--prefill-rate", type=float, default=None,
                    help="prefill-heavy half: requests/s (default: from the probe and --prefill-load)")
-    p.add_argument("--prefill-load", type=float, default=0.6,
+    p.add_argument("--prefill-load", type=float, default=0.8,
                    help="prefill-heavy half: huge prefills a second over what one worker prefills "
                         "a second (default %(default)s)")
     p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo-per-token-ms", type=float, default=None,
                    help="fix the TTFT objective's rise per prompt token instead (ms)")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="fix the TPOT objective instead (ms)")
-    p.add_argument("--itl-target-share", type=float, default=0.8,
+    p.add_argument("--itl-target-share", type=float, default=0.6,
                    help="the autoscaled router's ITL objective as a share of the TPOT SLO (default %(default)s)")
     p.add_argument("--scale-up-for", type=float, default=5.0, help="the autoscaled router's --scale-up-for (default %(default)s)")
     p.add_argument("--scale-down-for", type=float, default=15.0, help="its --scale-down-for (default %(default)s)")

@@ -5,9 +5,11 @@ the objective":
 
 - prefill: ``predicted_ttft_s / ttft_target_s`` of the prefill pool. With no prefill pool
   (the colocated state: the decode workers prefill their own requests) the larger of the
-  decode pool's (its predicted TTFT counts those prefills) and its ``prefill_busy /
-  prefill_share_target``: prefill taking that share of the decode workers' time is what
-  stalls their decodes, which a prefill pool of its own takes away;
+  decode pool's (its predicted TTFT counts those prefills) and, while the decodes miss their
+  objective (the decode pressure, below), its ``prefill_busy / prefill_share_target``
+  (``min`` of the two): prefill taking that share of the decode workers' time is what stalls
+  their decodes, which a prefill pool of its own takes away; decodes that keep their
+  objective are no reason to split;
 - decode: ``max(itl_s / itl_target_s, kv_utilization / kv_target)``.
 
 What each evaluation proposes, for a pool of ``n`` workers at pressure ``p``:
@@ -78,14 +80,14 @@ class ScalingConfig:
 def pressures(signals: dict[Pool, PoolSignals], config: ScalingConfig) -> dict[Pool, float]:
     """Each pool's pressure (module docstring)."""
     pre, dec = signals["prefill"], signals["decode"]
+    itl = dec.itl_s or 0.0
+    decode = max(itl / config.itl_target_s, dec.kv_utilization / config.kv_target)
     if pre.workers:
         prefill = pre.predicted_ttft_s / config.ttft_target_s
     else:
         prefill = max(dec.predicted_ttft_s / config.ttft_target_s,
-                      (dec.prefill_busy or 0.0) / config.prefill_share_target)
-    itl = dec.itl_s or 0.0
-    return {"prefill": prefill,
-            "decode": max(itl / config.itl_target_s, dec.kv_utilization / config.kv_target)}
+                      min(decode, (dec.prefill_busy or 0.0) / config.prefill_share_target))
+    return {"prefill": prefill, "decode": decode}
 
 
 def merged_share(signals: dict[Pool, PoolSignals]) -> float:

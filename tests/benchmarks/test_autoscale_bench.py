@@ -42,7 +42,7 @@ def test_the_workload_shifts_at_the_half() -> None:
 def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() -> None:
     args = _args("--num-blocks", "96", "--decode-prompt", "96", "--decode-output", "192",
                  "--prefill-prompt", "640", "--prefill-share", "0.6", "--prefill-load", "0.7",
-                 "--tpot-slo-mult", "2")
+                 "--tpot-slo-mult", "2", "--decode-load", "1.3", "--itl-target-share", "0.8")
     decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0))
     # One worker's cache holds 96 // ceil((96 x 1.25 + 192) / 16) = 4 requests; each lives
     # 192 x 0.15 x LOADED_TPOT + 0.8 s; 1.3x that: one decode worker cannot keep up, two can.

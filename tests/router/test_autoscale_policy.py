@@ -180,11 +180,16 @@ def test_the_colocated_state_and_back() -> None:
         out = plan.evaluate(float(t), _signals(0, 2, dec_ttft=3.0, itl=0.05))
     assert out["prefill"].desired == 1
     # Colocated, TTFT fine, but prefill takes 45% of the decode workers' time (share objective
-    # 30%): that stalls their decodes, so a prefill pool of its own is wanted.
+    # 30%) and their ITL is 3x its objective: the stalls are the cause, so a prefill pool of its
+    # own is wanted. The same share while the decodes keep their objective is no reason to split.
     plan = Planner(cfg, colocated_ok=True)
     for t in range(60):
         out = plan.evaluate(float(t), _signals(0, 2, dec_ttft=0.5, itl=0.3, dec_busy=0.45))
     assert out["prefill"].desired == 1 and out["prefill"].pressure == pytest.approx(1.5)
+    plan = Planner(cfg, colocated_ok=True)
+    for t in range(60):
+        out = plan.evaluate(float(t), _signals(0, 2, dec_ttft=0.5, itl=0.08, dec_busy=0.45))
+    assert out["prefill"].desired == 0 and out["prefill"].pressure == pytest.approx(0.8)
     # Split and idle by TTFT, but the prefill worker is busy 80% of the time: merged, the two
     # would spend 40% prefilling, over 0.6 x 30%: no going back to colocated.
     plan = Planner(cfg, colocated_ok=True)
@@ -203,7 +208,8 @@ def test_pressures() -> None:
     p = pressures(_signals(1, 1, ttft=3.0, itl=0.05, kv=0.6), cfg)
     assert p == {"prefill": pytest.approx(1.5), "decode": pytest.approx(0.75)}
     assert pressures(_signals(0, 2, dec_ttft=1.0, itl=None), cfg)["prefill"] == pytest.approx(0.5)
-    assert pressures(_signals(0, 2, dec_ttft=1.0, dec_busy=0.6), cfg)["prefill"] == pytest.approx(2.0)
+    assert pressures(_signals(0, 2, dec_ttft=1.0, dec_busy=0.6, itl=0.3), cfg)["prefill"] == pytest.approx(2.0)
+    assert pressures(_signals(0, 2, dec_ttft=1.0, dec_busy=0.6, itl=0.12), cfg)["prefill"] == pytest.approx(1.2)
 
 
 def test_config_refuses_a_band_that_is_not_one() -> None:
