@@ -8,11 +8,13 @@ Per layer, :func:`paged_attention` (after the caller wrote the step's K/V into t
 
 - decode items: on CPU float32, one call of the native kernel (``engine.model.native``) reads
   each sequence's keys and values from its blocks in place, every KV once, the query heads of
-  a KV group together. Elsewhere (CUDA, other dtypes, no C compiler) their block tables,
-  padded to the longest, gather each sequence's K/V once (``index_select`` of whole blocks)
-  and one ``scaled_dot_product_attention`` call covers the batch, with the query heads of a
-  KV group laid along the query axis (GQA without a repeat) and a key-padding mask for the
-  shorter contexts;
+  a KV group together. On CUDA with Triton importable, one launch of the Triton kernel
+  (``engine.model.triton_attention``) does the same on the GPU. Elsewhere (other dtypes on
+  CPU, no C compiler, no Triton, ``KVENGINE_TRITON=0``) their block tables, padded to the
+  longest, gather each sequence's K/V once (``index_select`` of whole blocks) and one
+  ``scaled_dot_product_attention`` call covers the batch, with the query heads of a KV group
+  laid along the query axis (GQA without a repeat) and a key-padding mask for the shorter
+  contexts;
 - a prefill chunk that starts a sequence (``start_pos == 0``) attends over its own fresh K/V,
   causally, without touching the cache;
 - a chunk that continues a sequence gathers its context from the cache and attends with a
@@ -23,13 +25,20 @@ Exact (within float tolerance) against dense causal attention over each sequence
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.model import native
-__all__ = ["DecodeMetadata", "PrefillChunk", "AttentionMetadata", "paged_attention"]
+
+__all__ = ["DecodeMetadata", "PrefillChunk", "AttentionMetadata", "paged_attention",
+           "triton_status"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +72,65 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+class _Triton:
+    """The process's Triton decode kernel: loaded on the first CUDA decode step, dropped (with
+    one warning) if the import or its first launch fails, trusted after a launch succeeds."""
+
+    tried = False
+    proven = False
+    fn: Callable[..., None] | None = None
+    supports: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+    why = "not tried (no CUDA decode step yet)"
+
+
+def _triton_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., None] | None:
+    """The Triton decode kernel for this step, or None (not CUDA, no Triton, or unsupported)."""
+    if not q.is_cuda:
+        return None
+    if not _Triton.tried:
+        _Triton.tried = True
+        if os.environ.get("KVENGINE_TRITON", "1") == "0":
+            _Triton.why = "disabled by KVENGINE_TRITON=0"
+        else:
+            try:
+                from engine.model import triton_attention
+            except Exception as e:  # noqa: BLE001 - no Triton (or a broken one): the torch path
+                _Triton.why = f"triton unavailable: {e}"
+                log.warning("Triton paged decode unavailable, gathering blocks instead: %s", e)
+            else:
+                _Triton.fn, _Triton.supports = triton_attention.paged_decode, triton_attention.supports
+                _Triton.why = "loaded, not launched yet"
+    if _Triton.fn is None or _Triton.supports is None or not _Triton.supports(q, k_cache):
+        return None
+    return _Triton.fn
+
+
+def triton_status() -> str:
+    """``"triton"`` once the kernel has run in this process, else why it has not."""
+    return "triton" if _Triton.proven else _Triton.why
+
+
+def _triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   dm: DecodeMetadata, scale: float, out: torch.Tensor) -> bool:
+    """The decode items through the Triton kernel: False where it does not take them (not
+    CUDA, no Triton, unsupported) or its first launch failed (then dropped for good)."""
+    fn = _triton_kernel(q, k_cache)
+    if fn is None:
+        return False
+    n = dm.num_seqs
+    try:
+        fn(q[:n], k_cache, v_cache, dm.block_tables, dm.context_lens, scale,
+           out[:n].view(n, q.shape[1], q.shape[2]))
+    except Exception as e:  # noqa: BLE001 - a first launch that fails: the torch path for good
+        if _Triton.proven:
+            raise
+        _Triton.fn, _Triton.why = None, f"first launch failed: {e}"
+        log.warning("Triton paged decode failed to launch, gathering blocks instead: %s", e)
+        return False
+    _Triton.proven = True
+    return True
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """``cache[block_table]`` as ``[*block_table.shape[:-1], blocks * block_size, kvh, hd]``."""
     _, bs, kvh, hd = cache.shape
@@ -94,7 +162,7 @@ def paged_attention(
         n = dm.num_seqs
         native.paged_decode(q[:n], k_cache, v_cache, dm.block_tables, dm.context_lens, scale,
                             out=out[:n].view(n, num_heads, hd))
-    elif dm is not None:
+    elif dm is not None and not _triton_decode(q, k_cache, v_cache, dm, scale, out):
         n, s = dm.num_seqs, dm.context_len
         kc = _gather(k_cache, dm.block_tables)[:, :s].transpose(1, 2)  # [n, kvh, s, hd]
         vc = _gather(v_cache, dm.block_tables)[:, :s].transpose(1, 2)
