@@ -448,6 +448,11 @@ class KVStoreConnector:
         if self._placer is not None:
             self._placer.close(timeout)
 
+    def staging_allocations(self) -> int:
+        """Host staging buffers allocated so far (pinned on CUDA). Loads and saves reuse pooled
+        buffers, so this stops growing once each request size's power of two has been seen."""
+        return self._pool.allocations + self._load_pool.allocations
+
     @property
     def placer_idle(self) -> bool:
         """No handed-off block waits for its copy to the owners (``engine.kv.handoff``)."""
