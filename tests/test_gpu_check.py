@@ -1,0 +1,115 @@
+"""The GPU check's driver (benchmarks.gpu_check), here without a GPU.
+
+The runner's statuses and caps on fake sections (in-process, no torch); then the real driver
+under ``--cpu-selftest`` (tiny sizes on CPU) over the sections that need neither transformers
+nor worker processes, which run in seconds: the CUDA-only ones must say unsupported, the others
+pass, and the report and log must be written. The rest (greedy against transformers, the
+figures against transformers, the disaggregated workers, the profile) take 20 s to minutes
+here; their selftest runs by hand: ``python -m benchmarks.gpu_check --cpu-selftest``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check.runner import Ctx, NotImplementedHook, OutOfTime, Section, Unsupported, run_sections
+from tests.cli_help import flags_without_help
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["env", "triton_kernel", "staging", "gpu_tier", "client_cuda", "store_load", "cuda_ipc"]
+
+
+def _ctx(tmp_path: Path, device: str = "cpu") -> Ctx:
+    return Ctx(device=device, selftest=True, work=tmp_path, out=tmp_path,
+               log_file=open(tmp_path / "gpu_check.log", "w"))
+
+
+def test_the_runner_records_every_status_and_keeps_partial_results(tmp_path):
+    cleaned: list[str] = []
+
+    def ok(ctx, rec):
+        rec["x"] = 1
+
+    def bad(ctx, rec):
+        rec["before"] = True
+        assert 1 == 2, "it broke"
+
+    def cannot(ctx, rec):
+        raise Unsupported("CUDA IPC is not mapped in this VM")
+
+    def hook(ctx, rec):
+        raise NotImplementedHook("nobody filled this in")
+
+    def slow(ctx, rec):
+        rec["first"] = "measured"
+        time.sleep(0.3)
+        ctx.check_time("second half")
+        rec["second"] = "never"
+
+    ctx = _ctx(tmp_path)
+    ctx.cleanups.append(lambda: cleaned.append("daemon"))
+    sections = [Section("ok", 5, ok), Section("bad", 5, bad), Section("cannot", 5, cannot),
+                Section("hook", 5, hook), Section("slow", 0.2, slow),
+                Section("cuda_only", 5, ok, cuda_only=True), Section("late", 60, ok)]
+    report = run_sections(sections, ctx, budget_s=10.0, head={"mode": "test"})
+    rows = {r["name"]: r for r in report["sections"]}
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "ok": "pass", "bad": "fail", "cannot": "unsupported", "hook": "not-implemented",
+        "slow": "skipped-for-time", "cuda_only": "unsupported", "late": "pass"}
+    assert rows["ok"]["details"] == {"x": 1}
+    assert rows["bad"]["details"]["before"] and "it broke" in rows["bad"]["reason"]
+    assert "traceback" in rows["bad"]["details"]
+    assert rows["slow"]["details"] == {"first": "measured"} and "second half" in rows["slow"]["reason"]
+    assert rows["cuda_only"]["reason"] == "no CUDA on this machine"
+    assert report["summary"] == {"pass": 2, "fail": 1, "unsupported": 2, "skipped-for-time": 1,
+                                 "not-implemented": 1}
+    assert cleaned == ["daemon"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["sections"] == report["sections"]
+
+
+def test_a_section_that_no_longer_fits_the_budget_is_skipped(tmp_path):
+    def eat(ctx, rec):
+        time.sleep(0.6)
+
+    report = run_sections([Section("eat", 5, eat), Section("next", 5, eat)], _ctx(tmp_path),
+                          budget_s=5.3, head={})
+    assert [r["status"] for r in report["sections"]] == ["pass", "skipped-for-time"]
+    assert "budget left" in report["sections"][1]["reason"]
+
+
+def test_out_of_time_is_raised_only_past_the_deadline(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.deadline = time.monotonic() + 10
+    ctx.check_time()
+    ctx.deadline = time.monotonic() - 0.01
+    with pytest.raises(OutOfTime, match="cap reached: here"):
+        ctx.check_time("here")
+
+
+def test_every_flag_has_help():
+    from benchmarks.gpu_check.cli import build_parser
+
+    assert flags_without_help(build_parser()) == []
+
+
+def test_the_cpu_selftest_runs_the_driver_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--cpu-selftest", "--out", str(out),
+                        "--budget", "120", "--sections", *FAST], cwd=REPO, capture_output=True,
+                       text=True, timeout=240)
+    report = json.loads((out / "gpu_check.json").read_text())
+    status = {s["name"]: s["status"] for s in report["sections"]}
+    assert r.returncode == 0, (status, r.stdout[-4000:], r.stderr[-4000:])
+    assert report["mode"] == "cpu-selftest" and list(status) == FAST
+    assert status == {**{n: "pass" for n in FAST}, "triton_kernel": "unsupported", "cuda_ipc": "unsupported"}
+    rows = {s["name"]: s["details"] for s in report["sections"]}
+    assert rows["staging"]["auto"]["allocations_after_warmup"] == 0
+    assert rows["store_load"]["ours_ms"] > 0 and rows["store_load"]["blocks"] == 16
+    assert rows["client_cuda"]["tcp"] == {"found": [True] * 4, "equal": True}
+    assert "summary: pass 5, unsupported 2" in (out / "gpu_check.log").read_text()
