@@ -113,3 +113,22 @@ def test_the_cpu_selftest_runs_the_driver_end_to_end(tmp_path):
     assert rows["store_load"]["ours_ms"] > 0 and rows["store_load"]["blocks"] == 16
     assert rows["client_cuda"]["tcp"] == {"found": [True] * 4, "equal": True}
     assert "summary: pass 5, unsupported 2" in (out / "gpu_check.log").read_text()
+
+
+def test_the_shell_entry_point_runs_the_driver(tmp_path):
+    """scripts/gpu_check.sh as a person runs it (here: --cpu-selftest uses .venv, no wheels)."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-selftest", "--sections", "env", "gpu_tier",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["sections"]] == [("env", "pass"), ("gpu_tier", "pass")]
+    assert "[gpu_check] torch" in r.stdout
+
+
+def test_the_wheel_list_pins_one_version_of_each_missing_package():
+    text = (REPO / "scripts" / "gpu_wheels.sh").read_text()
+    pins = [line.strip() for line in text.splitlines() if "==" in line and not line.lstrip().startswith("#")]
+    names = [p.split("==")[0] for p in pins]
+    assert len(names) == len(set(names)) and {"fastapi", "uvicorn", "pydantic", "lmdb"} <= set(names)
+    assert (REPO / ".gitignore").read_text().count("/.gpu_wheels/") == 1
