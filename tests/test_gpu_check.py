@@ -10,6 +10,7 @@ here; their selftest runs by hand: ``python -m benchmarks.gpu_check --cpu-selfte
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -132,3 +133,44 @@ def test_the_wheel_list_pins_one_version_of_each_missing_package():
     names = [p.split("==")[0] for p in pins]
     assert len(names) == len(set(names)) and {"fastapi", "uvicorn", "pydantic", "lmdb"} <= set(names)
     assert (REPO / ".gitignore").read_text().count("/.gpu_wheels/") == 1
+
+
+# Tests that name CUDA without needing it: they check what happens where CUDA is absent.
+NEEDS_NO_GPU = {("tests/engine/test_loader.py", "test_dtype_and_device_resolution")}
+
+
+def _uses_cuda(node: ast.AST) -> bool:
+    """Puts something on CUDA: ``x.cuda()``, ``device="cuda..."``, ``.to("cuda...")``, a
+    ``run_cases("cuda")``-style argument, or a ``torch.cuda`` call other than is_available()."""
+    def is_cuda(n: ast.AST) -> bool:
+        return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.split(":")[0] == "cuda"
+
+    for n in ast.walk(node):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and f.attr == "cuda":
+            return True
+        if any(is_cuda(a) for a in n.args) or any(k.arg == "device" and is_cuda(k.value) for k in n.keywords):
+            return True
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and f.value.attr == "cuda"
+                and f.attr != "is_available"):
+            return True
+    return False
+
+
+def _marked_gpu(fn: ast.FunctionDef) -> bool:
+    return any("mark.gpu" in ast.unparse(d) for d in fn.decorator_list)
+
+
+def test_every_test_that_uses_cuda_is_marked_gpu():
+    """The ``gpu`` marker (pyproject.toml) on every test that touches CUDA, so ``-m gpu`` runs
+    them all on a GPU machine and each skips, naming CUDA, elsewhere."""
+    unmarked = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        rel = str(path.relative_to(REPO))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_") and _uses_cuda(fn)
+                    and not _marked_gpu(fn) and (rel, fn.name) not in NEEDS_NO_GPU):
+                unmarked.append(f"{rel}::{fn.name}")
+    assert unmarked == []
