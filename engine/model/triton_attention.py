@@ -20,10 +20,9 @@ before the import, the same kernel runs on CPU tensors under Triton's interprete
 tests check it against the dense reference on a machine without a GPU.
 """
 
-# Triton's kernel language is Python syntax over its own tensor type: pyright's types for it
-# (range over a tensor, operators on tensors, constexpr arguments) do not describe it.
-# pyright: reportArgumentType=false, reportOperatorIssue=false, reportCallIssue=false
-# pyright: reportAttributeAccessIssue=false, reportIndexIssue=false, reportOptionalMemberAccess=false
+# Triton passes the kernel's tl.constexpr parameters as plain Python values (int, bool),
+# which pyright's reading of the annotations calls a type error.
+# pyright: reportArgumentType=false
 
 from __future__ import annotations
 
