@@ -54,9 +54,11 @@ def env(ctx: Ctx, rec: dict[str, Any]) -> None:
                     rec[mod] = "installed, version unknown"
     if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
-        rec.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
+        rec.update(gpu=p.name, capability=f"{p.major}.{p.minor}",
+                   gpu_memory_gib=round(p.total_memory / 2**30, 1),
                    multiprocessors=p.multi_processor_count, torch_cuda=torch.version.cuda)
-        ctx.log(f"device: {p.name} (sm {p.major}.{p.minor}, {rec['gpu_memory_gib']} GiB), torch {torch.__version__}")
+        ctx.log(f"device: {p.name} (sm {p.major}.{p.minor}, {rec['gpu_memory_gib']} GiB), "
+                f"torch {torch.__version__}")
 
 
 def triton_kernel(ctx: Ctx, rec: dict[str, Any]) -> None:
@@ -84,7 +86,8 @@ def hf_model(model_dir: Path, dtype: torch.dtype, device: str):
 def _hf_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int], list[float]]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             do_sample=False, max_new_tokens=n, pad_token_id=0, output_logits=True,
             return_dict_in_generate=True)
     margins = []
@@ -113,7 +116,8 @@ def engine_greedy(ctx: Ctx, rec: dict[str, Any]) -> None:
     failures = []
     for name, model_dir in cases:
         # --cpu-selftest: one dtype a model (tiny float32, the shaped one bfloat16).
-        dtypes = ["float32", "bfloat16"] if not ctx.selftest else ["float32" if name.startswith("tiny") else "bfloat16"]
+        dtypes = (["float32", "bfloat16"] if not ctx.selftest
+                  else ["float32" if name.startswith("tiny") else "bfloat16"])
         for dt in dtypes:
             ctx.check_time(f"before {name} {dt}")
             runner = ModelRunner(model_dir, num_blocks=64, block_size=16, device=ctx.device, dtype=dt)

@@ -184,14 +184,16 @@ def prefill_tps(ctx: Ctx, rec: dict[str, Any]) -> None:
     for n in lengths:
         ctx.check_time(f"ours at {n} tokens")
         table = list(range(n // 16 + 1))
-        rec[f"ours_{n}_tps"] = round(n / _median_s(ctx, lambda: runner.execute([StepItem(prompts[n], 0, table)]), 3), 1)
+        item = StepItem(prompts[n], 0, table)
+        rec[f"ours_{n}_tps"] = round(n / _median_s(ctx, lambda: runner.execute([item]), 3), 1)
     del runner
     hf = hf_model(model_dir, getattr(torch, dtype), ctx.device)
     for n in lengths:
         ctx.check_time(f"transformers at {n} tokens")
         ids = torch.tensor([prompts[n]], device=ctx.device)
         with torch.inference_mode():
-            rec[f"transformers_{n}_tps"] = round(n / _median_s(ctx, lambda: hf(input_ids=ids, logits_to_keep=1), 3), 1)
+            seconds = _median_s(ctx, lambda: hf(input_ids=ids, logits_to_keep=1), 3)
+        rec[f"transformers_{n}_tps"] = round(n / seconds, 1)
         rec[f"ratio_{n}"] = round(rec[f"ours_{n}_tps"] / rec[f"transformers_{n}_tps"], 2)
         ctx.log(f"  prefill {n} tokens: ours {rec[f'ours_{n}_tps']} tok/s, transformers "
                 f"{rec[f'transformers_{n}_tps']} tok/s")
