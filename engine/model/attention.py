@@ -72,42 +72,46 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-class _Triton:
+@dataclass
+class _TritonKernel:
     """The process's Triton decode kernel: loaded on the first CUDA decode step, dropped (with
     one warning) if the import or its first launch fails, trusted after a launch succeeds."""
 
-    tried = False
-    proven = False
+    tried: bool = False
+    proven: bool = False
     fn: Callable[..., None] | None = None
     supports: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
-    why = "not tried (no CUDA decode step yet)"
+    why: str = "not tried (no CUDA decode step yet)"
+
+
+_triton = _TritonKernel()
 
 
 def _triton_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., None] | None:
     """The Triton decode kernel for this step, or None (not CUDA, no Triton, or unsupported)."""
     if not q.is_cuda:
         return None
-    if not _Triton.tried:
-        _Triton.tried = True
+    if not _triton.tried:
+        _triton.tried = True
         if os.environ.get("KVENGINE_TRITON", "1") == "0":
-            _Triton.why = "disabled by KVENGINE_TRITON=0"
+            _triton.why = "disabled by KVENGINE_TRITON=0"
         else:
             try:
                 from engine.model import triton_attention
             except Exception as e:  # noqa: BLE001 - no Triton (or a broken one): the torch path
-                _Triton.why = f"triton unavailable: {e}"
+                _triton.why = f"triton unavailable: {e}"
                 log.warning("Triton paged decode unavailable, gathering blocks instead: %s", e)
             else:
-                _Triton.fn, _Triton.supports = triton_attention.paged_decode, triton_attention.supports
-                _Triton.why = "loaded, not launched yet"
-    if _Triton.fn is None or _Triton.supports is None or not _Triton.supports(q, k_cache):
+                _triton.fn, _triton.supports = triton_attention.paged_decode, triton_attention.supports
+                _triton.why = "loaded, not launched yet"
+    if _triton.fn is None or _triton.supports is None or not _triton.supports(q, k_cache):
         return None
-    return _Triton.fn
+    return _triton.fn
 
 
 def triton_status() -> str:
     """``"triton"`` once the kernel has run in this process, else why it has not."""
-    return "triton" if _Triton.proven else _Triton.why
+    return "triton" if _triton.proven else _triton.why
 
 
 def _triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,12 +126,12 @@ def _triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         fn(q[:n], k_cache, v_cache, dm.block_tables, dm.context_lens, scale,
            out[:n].view(n, q.shape[1], q.shape[2]))
     except Exception as e:  # noqa: BLE001 - a first launch that fails: the torch path for good
-        if _Triton.proven:
+        if _triton.proven:
             raise
-        _Triton.fn, _Triton.why = None, f"first launch failed: {e}"
+        _triton.fn, _triton.why = None, f"first launch failed: {e}"
         log.warning("Triton paged decode failed to launch, gathering blocks instead: %s", e)
         return False
-    _Triton.proven = True
+    _triton.proven = True
     return True
 
 

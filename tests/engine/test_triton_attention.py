@@ -171,4 +171,4 @@ def test_the_cpu_decode_never_takes_the_triton_kernel():
     q = torch.randn(2, 4, 16)
     kc = torch.randn(8, 4, 2, 16)
     assert attention._triton_kernel(q, kc) is None
-    assert not attention._Triton.tried  # nothing imported for a CPU step
+    assert not attention._triton.tried  # nothing imported for a CPU step
