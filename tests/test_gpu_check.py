@@ -174,3 +174,14 @@ def test_every_test_that_uses_cuda_is_marked_gpu():
                     and not _marked_gpu(fn) and (rel, fn.name) not in NEEDS_NO_GPU):
                 unmarked.append(f"{rel}::{fn.name}")
     assert unmarked == []
+
+
+def test_the_profile_hook_runs_kvengine_profile_with_flags_it_takes(tmp_path):
+    from benchmarks.gpu_check.hooks import profile_argv
+    from engine.worker.cli import build_parser
+
+    argv = profile_argv(tmp_path / "m", "cuda", tmp_path / "p.json", selftest=False)
+    assert argv[1:4] == ["-m", "engine.worker.cli", "profile"]
+    args = build_parser().parse_args(argv[3:])
+    assert (args.model, args.device, args.quick, args.out) == (str(tmp_path / "m"), "cuda", True,
+                                                               str(tmp_path / "p.json"))

@@ -18,13 +18,14 @@ import importlib.util
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_check import models
 from benchmarks.gpu_check.runner import Ctx, NotImplementedHook, OutOfTime
 from benchmarks.gpu_check.store import REPO
 
-__all__ = ["cuda_ipc", "profile"]
+__all__ = ["cuda_ipc", "profile", "profile_argv"]
 
 LLAMA3_8B_MIN_S = 150.0  # generating, writing and profiling the 8B shape takes about this long
 
@@ -36,13 +37,17 @@ def cuda_ipc(ctx: Ctx, rec: dict[str, Any]) -> None:
     importlib.import_module("benchmarks.gpu_check.ipc").run(ctx, rec)
 
 
+def profile_argv(model_dir: Path, device: str, out: Path, selftest: bool) -> list[str]:
+    """The ``kvengine profile`` command the section runs."""
+    argv = [sys.executable, "-m", "engine.worker.cli", "profile", "--model", str(model_dir),
+            "--device", device, "--quick", "--no-progress", "--out", str(out)]
+    return argv + (["--chunk", "32"] if selftest else [])
+
+
 def _profile_one(ctx: Ctx, rec: dict[str, Any], name: str, dtype: str) -> None:
     model_dir = models.shaped(ctx, name, dtype)
     out = ctx.out / f"profile_{name}.json"
-    argv = [sys.executable, "-m", "engine.worker.cli", "profile", "--model", str(model_dir),
-            "--device", ctx.device, "--quick", "--no-progress", "--out", str(out)]
-    if ctx.selftest:
-        argv += ["--chunk", "32"]
+    argv = profile_argv(model_dir, ctx.device, out, ctx.selftest)
     t0 = time.monotonic()
     try:
         r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=max(1.0, ctx.left()))
