@@ -85,15 +85,14 @@ def _max_error(kernel, case: tuple, device: str = "cpu") -> float:
 def _strided_error(kernel, device: str = "cpu") -> float:
     """q as the runner has it (rows of a wider projection), the cache as one layer's view."""
     q, kc, vc, tables, ctx = _case(3, [9, 31], 4, 2, 16, 4)
-    wide = torch.randn(2, 4 * 16 + 8)
-    q_view = wide[:, : 4 * 16].view(2, 4, 16)
+    wide = torch.zeros(2, 4 * 16 + 8, device=device)
+    q_view = wide[:, : 4 * 16].view(2, 4, 16)  # made on the device: .to() would compact it
     q_view.copy_(q)
-    assert not q_view.is_contiguous()
-    full = torch.stack([torch.stack([kc, vc])] * 2)  # [layers, 2, blocks, bs, kvh, hd]
-    q_view, full, tables, ctx = (t.to(device) for t in (q_view, full, tables, ctx))
+    assert not q_view.is_contiguous() and q_view.stride(0) == 72
+    full = torch.stack([torch.stack([kc, vc])] * 2).to(device)  # [layers, 2, blocks, bs, kvh, hd]
     out = torch.empty(2, 4, 16, device=device)
-    kernel.paged_decode(q_view, full[1, 0], full[1, 1], tables, ctx, 0.25, out)
-    return float((out.cpu().double() - _reference(q, kc, vc, tables.cpu(), ctx.cpu(), 0.25)).abs().max())
+    kernel.paged_decode(q_view, full[1, 0], full[1, 1], tables.to(device), ctx.to(device), 0.25, out)
+    return float((out.cpu().double() - _reference(q, kc, vc, tables, ctx, 0.25)).abs().max())
 
 
 def _refusal(kernel) -> str:
