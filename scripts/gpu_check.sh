@@ -72,5 +72,5 @@ if [ "$INSTALL_ONLY" = 1 ]; then
     "$PY" -c "import fastapi, uvicorn, lmdb, pydantic, starlette; print('[gpu_check] installed: fastapi', fastapi.__version__, 'pydantic', pydantic.__version__, 'lmdb', lmdb.__version__)"
     exit 0
 fi
-"$PY" -c "import torch; print('[gpu_check] torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+echo "[gpu_check] $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 exec "$PY" -m benchmarks.gpu_check "${OUT_ARGS[@]}" "${ARGS[@]}"
