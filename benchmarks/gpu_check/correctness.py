@@ -72,6 +72,55 @@ def triton_kernel(ctx: Ctx, rec: dict[str, Any]) -> None:
     if errors["strided"] >= cases.TOLERANCE["float32"]:
         bad["strided"] = errors["strided"]
     assert not bad, f"over tolerance: {bad}"
+    ctx.check_time("the timing")
+    rec["timing"] = _decode_attention_timing(ctx.device)
+    ctx.log(f"  decode attention, batch 128 x 2048 tokens, bf16: triton {rec['timing']['triton_us']} us, "
+            f"gather + SDPA {rec['timing']['gather_us']} us")
+
+
+def _decode_attention_timing(device: str, b: int = 128, context: int = 2048) -> dict[str, Any]:
+    """One layer's decode attention, SmolLM2's heads, bf16: the kernel against the path it
+    replaced (gather every sequence's blocks, then SDPA), microseconds a call."""
+    import time
+
+    import torch.nn.functional as F
+
+    from engine.model import triton_attention
+    from engine.model.attention import _gather
+
+    heads, kvh, hd, bs = 9, 3, 64, 16
+    per = context // bs
+    g = torch.Generator(device=device).manual_seed(0)
+    k_cache = torch.randn(b * per, bs, kvh, hd, device=device, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(b * per, bs, kvh, hd, device=device, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(b * per, device=device, generator=g).view(b, per).int()
+    lens = torch.full((b,), context, dtype=torch.int32, device=device)
+    q = torch.randn(b, heads, hd, device=device, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def kernel() -> None:
+        triton_attention.paged_decode(q, k_cache, v_cache, tables, lens, hd ** -0.5, out)
+
+    def gather() -> torch.Tensor:
+        kc = _gather(k_cache, tables).transpose(1, 2)
+        vc = _gather(v_cache, tables).transpose(1, 2)
+        return F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, hd), kc, vc, scale=hd ** -0.5)
+
+    def per_call_us(fn, n: int = 20) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    t_kernel, t_gather = per_call_us(kernel), per_call_us(gather)
+    diff = float((out.float() - gather().reshape(b, heads, hd).float()).abs().max())
+    kv_bytes = 2 * b * context * kvh * hd * 2
+    return {"batch": b, "context": context, "triton_us": round(t_kernel, 1), "gather_us": round(t_gather, 1),
+            "speedup": round(t_gather / t_kernel, 2), "triton_kv_gbps": round(kv_bytes / t_kernel / 1e3, 1),
+            "max_abs_diff": diff}
 
 
 def hf_model(model_dir: Path, dtype: torch.dtype, device: str):
