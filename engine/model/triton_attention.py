@@ -88,10 +88,11 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this step: one of :data:`DTYPES`, the cache's dtype, head dim
-    rows contiguous (the cache's layout always is)."""
+    """Whether the kernel takes this step: one of :data:`DTYPES`, the cache's dtype, a head dim
+    of at most 256 (its tiles live in registers), rows contiguous (the cache's always are)."""
     return (q.dtype in DTYPES and k_cache.dtype == q.dtype and q.stride(-1) == 1
-            and k_cache.stride(-1) == 1 and k_cache.shape[-1] == q.shape[-1])
+            and k_cache.stride(-1) == 1 and k_cache.shape[-1] == q.shape[-1] <= 256
+            and q.shape[1] % k_cache.shape[2] == 0)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

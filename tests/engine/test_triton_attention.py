@@ -171,3 +171,14 @@ def test_the_cpu_decode_never_takes_the_triton_kernel():
     kc = torch.randn(8, 4, 2, 16)
     assert attention._triton_kernel(q, kc) is None
     assert not attention._triton.tried  # nothing imported for a CPU step
+
+
+def test_supports_takes_the_engine_dtypes_and_refuses_what_it_cannot_tile():
+    from engine.model.triton_attention import supports
+
+    q, kc = torch.empty(2, 4, 64), torch.empty(8, 16, 2, 64)
+    assert supports(q, kc) and supports(q.bfloat16(), kc.bfloat16())
+    assert not supports(q.double(), kc.double())           # not a cache dtype
+    assert not supports(q, kc.bfloat16())                  # the cache's dtype differs
+    assert not supports(torch.empty(2, 4, 512), torch.empty(8, 16, 2, 512))  # head dim > 256
+    assert not supports(torch.empty(2, 3, 64), kc)         # heads not a multiple of KV heads
