@@ -73,9 +73,10 @@ def triton_kernel(ctx: Ctx, rec: dict[str, Any]) -> None:
         bad["strided"] = errors["strided"]
     assert not bad, f"over tolerance: {bad}"
     ctx.check_time("the timing")
-    rec["timing"] = _decode_attention_timing(ctx.device)
-    ctx.log(f"  decode attention, batch 128 x 2048 tokens, bf16: triton {rec['timing']['triton_us']} us, "
-            f"gather + SDPA {rec['timing']['gather_us']} us")
+    rec["timing"] = [_decode_attention_timing(ctx.device, b) for b in (1, 128)]
+    for t in rec["timing"]:
+        ctx.log(f"  decode attention, batch {t['batch']} x 2048 tokens, bf16: triton {t['triton_us']} us "
+                f"({t['splits']} split(s)), gather + SDPA {t['gather_us']} us")
 
 
 def _decode_attention_timing(device: str, b: int = 128, context: int = 2048) -> dict[str, Any]:
@@ -118,7 +119,9 @@ def _decode_attention_timing(device: str, b: int = 128, context: int = 2048) -> 
     t_kernel, t_gather = per_call_us(kernel), per_call_us(gather)
     diff = float((out.float() - gather().reshape(b, heads, hd).float()).abs().max())
     kv_bytes = 2 * b * context * kvh * hd * 2
-    return {"batch": b, "context": context, "triton_us": round(t_kernel, 1), "gather_us": round(t_gather, 1),
+    splits = triton_attention.choose_splits(b * kvh, per * bs // triton_attention.BLOCK_N, q.device)
+    return {"batch": b, "context": context, "splits": splits,
+            "triton_us": round(t_kernel, 1), "gather_us": round(t_gather, 1),
             "speedup": round(t_gather / t_kernel, 2), "triton_kv_gbps": round(kv_bytes / t_kernel / 1e3, 1),
             "max_abs_diff": diff}
 

@@ -34,6 +34,8 @@ TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 0.05}
 # Triton 3.6's interpreter keeps bfloat16 as uint16 and its tl.dot multiplies those bits (a
 # max error of 8e8 here): bfloat16 is checked compiled, on CUDA only.
 NOT_INTERPRETED = {"bf16"}
+SPLIT_CASES = [("tiny-llama", 2), ("tiny-llama", 4), ("smollm2-heads", 2), ("mqa-hd80", 2),
+               ("fp16", 2), ("bf16", 4)]
 
 
 def _case(seed: int, lens: list[int], heads: int, kvh: int, hd: int, bs: int,
@@ -70,13 +72,13 @@ def _reference(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
     return out
 
 
-def _max_error(kernel, case: tuple, device: str = "cpu") -> float:
+def _max_error(kernel, case: tuple, device: str = "cpu", splits: int | None = None) -> float:
     seed, lens, heads, kvh, hd, bs, dtype = case
     q, kc, vc, tables, ctx = _case(seed, lens, heads, kvh, hd, bs, getattr(torch, dtype))
     scale = hd ** -0.5
     dev = [t.to(device) for t in (q, kc, vc, tables, ctx)]
     out = torch.full_like(dev[0], float("nan"))
-    kernel.paged_decode(*dev, scale, out)
+    kernel.paged_decode(*dev, scale, out, splits=splits)
     ref = _reference(q.float(), kc.float(), vc.float(), tables, ctx, scale)
     assert out.dtype == q.dtype
     return float((out.cpu().double() - ref).abs().max())
@@ -128,6 +130,10 @@ def run_cases(device: str = "cpu") -> dict:
 
     out = {name: _max_error(kernel, case, device) for name, case in CASES.items()
            if not (interpreted and name in NOT_INTERPRETED)}
+    # The context split in ranges (flash-decoding), ranges past a short sequence's end included.
+    for name, splits in SPLIT_CASES:
+        if not (interpreted and name in NOT_INTERPRETED):
+            out[f"{name}/splits{splits}"] = _max_error(kernel, CASES[name], device, splits)
     out["strided"] = _strided_error(kernel, device)
     out["refusal"] = _refusal(kernel)
     return out
@@ -147,6 +153,11 @@ def test_interpreted_kernel_equals_the_dense_reference(interpreted, name):
     assert interpreted[name] < TOLERANCE[CASES[name][-1]], interpreted[name]
 
 
+@pytest.mark.parametrize("name, splits", [c for c in SPLIT_CASES if c[0] not in NOT_INTERPRETED])
+def test_interpreted_split_context_equals_the_dense_reference(interpreted, name, splits):
+    assert interpreted[f"{name}/splits{splits}"] < TOLERANCE[CASES[name][-1]]
+
+
 def test_interpreted_kernel_takes_a_strided_query_and_a_layer_view(interpreted):
     assert interpreted["strided"] < TOLERANCE["float32"]
 
@@ -161,6 +172,8 @@ def test_compiled_kernel_on_cuda_equals_the_dense_reference():
     errors = run_cases("cuda")
     for name, case in CASES.items():
         assert errors[name] < TOLERANCE[case[-1]], (name, errors[name])
+    for name, splits in SPLIT_CASES:
+        assert errors[f"{name}/splits{splits}"] < TOLERANCE[CASES[name][-1]], (name, splits)
     assert errors["strided"] < TOLERANCE["float32"]
 
 
@@ -182,3 +195,17 @@ def test_supports_takes_the_engine_dtypes_and_refuses_what_it_cannot_tile():
     assert not supports(q, kc.bfloat16())                  # the cache's dtype differs
     assert not supports(torch.empty(2, 4, 512), torch.empty(8, 16, 2, 512))  # head dim > 256
     assert not supports(torch.empty(2, 3, 64), kc)         # heads not a multiple of KV heads
+
+
+def test_splits_fill_the_multiprocessors_only_where_pairs_are_few(monkeypatch):
+    from engine.model import triton_attention as ta
+
+    assert ta.choose_splits(3, 32, torch.device("cpu")) == 1
+    monkeypatch.setattr(ta, "_SM_COUNT", {0: 132})
+    cuda = torch.device("cuda", 0)
+    assert ta.choose_splits(3, 32, cuda) == 16       # batch 1 of SmolLM2, 2,048 tokens: 32 tiles
+    assert ta.choose_splits(3, 200, cuda) == 16      # at most 16
+    assert ta.choose_splits(3, 8, cuda) == 4         # each range at least 2 tiles
+    assert ta.choose_splits(3, 3, cuda) == 1         # a short context stays whole
+    assert ta.choose_splits(384, 32, cuda) == 1      # batch 128: the pairs fill two waves
+    assert ta.choose_splits(96, 32, cuda) == 4       # batch 32: until two waves
