@@ -98,6 +98,7 @@ def test_every_flag_has_help():
     assert flags_without_help(build_parser()) == []
 
 
+@pytest.mark.integration  # starts the driver, which starts a store daemon
 def test_the_cpu_selftest_runs_the_driver_end_to_end(tmp_path):
     """scripts/gpu_check.sh as a person runs it (here --cpu-selftest uses .venv: no wheels)."""
     out = tmp_path / "out"
