@@ -49,11 +49,12 @@ else
         # No pip inside (ensurepip may be missing there); the base's pip installs into it.
         "$BASE" -m venv --system-site-packages --without-pip "$VENV"
         # A base python that is itself a venv (the device's /opt/torch/.venv): the new venv's
-        # "system" packages are the base interpreter's, not that venv's; a .pth adds them,
-        # after the new venv's own (so the carried wheels come first).
-        outer=$("$BASE" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
+        # "system" packages are the base interpreter's, not that venv's; a .pth adds that venv's
+        # site directories (their own .pth files processed), after the new venv's own, so the
+        # carried wheels come first.
+        outer=$("$BASE" -c 'import site, sys; print("".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()) if sys.prefix != sys.base_prefix else "", end="")')
         if [ -n "$outer" ]; then
-            echo "$outer" > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"
+            printf '%s\n' "$outer" > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"
         fi
     fi
     PY=$VENV/bin/python
