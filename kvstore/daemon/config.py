@@ -61,6 +61,7 @@ class ServerConfig:
     in shared memory for same-host gets with no round trip (``kvstore.node.shared_index``;
     ``--no-shared-index`` turns it off). ``drain_timeout`` is how long SIGTERM waits for
     in-flight operations. ``tls``: serve TLS with mutual certificates (``kvstore.tls``).
+    ``ucx``: also serve the UCX data path (``kvstore.net.ucx``; needs ``ucxx``, not with TLS).
     ``registration_ttl`` is the etcd lease TTL in seconds (etcd grants
     whole seconds: it is rounded up, at least 1); a dead node leaves etcd within it.
     ``node_id`` names the node (``kvstore.daemon.identity``: kept in the SSD directory; a
@@ -94,6 +95,7 @@ class ServerConfig:
     repair_rate: int = 64 << 20
     repair_interval: float = 600.0
     repair_settle: float = 0.5
+    ucx: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -127,3 +129,11 @@ class ServerConfig:
         if self.replicas is not None and not self.etcd:
             raise ValueError("--replicas needs --etcd (it is the cluster's setting in etcd)")
         check_bind(self.host, self.auth_token, self.insecure, what="store daemon")
+        if self.ucx:
+            if self.tls is not None:
+                raise ValueError("--ucx moves block bytes unencrypted: it cannot be combined with TLS")
+            from kvstore.net import ucx
+
+            reason = ucx.available()
+            if reason is not None:
+                raise ValueError(f"--ucx: {reason}")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.net import protocol as P
+from kvstore.net import protocol as P, ucx
 from kvstore.node.arena import Arena
 from kvstore.node.shared_index import IndexReader
 from kvstore.errors import AuthError, ProtocolError, StoreUnavailable
@@ -92,7 +92,7 @@ class Connection:
     """A live, authenticated connection (``open``); ``arena`` is set on the shm path."""
 
     __slots__ = ("sock", "hello", "arena", "arena_np", "index", "rid", "_hdr", "_traffic",
-                 "_scratch", "_poll", "_tls", "_reads", "_reads_since")
+                 "_scratch", "_poll", "_tls", "_reads", "_reads_since", "ucx")
 
     def __init__(self, sock: socket.socket, traffic: Traffic) -> None:
         self.sock = sock
@@ -108,13 +108,16 @@ class Connection:
         self._tls = False
         self._reads: dict[bytes, list[int]] = {}  # key -> [reads, size], oldest first
         self._reads_since = 0.0
+        self.ucx: ucx.Link | None = None  # the UCX data path (kvstore.net.ucx), when set up
 
     @classmethod
     def open(cls, address: str, *, token: str | None, timeout: float, want: str,
              traffic: Traffic, tls: ssl.SSLContext | None = None,
              use_index: bool = True) -> "Connection":
-        """Connect, handshake (TLS first, given ``tls``) and (unless ``want`` is ``"tcp"``)
-        map the daemon's arena and, with ``use_index``, its index."""
+        """Connect, handshake (TLS first, given ``tls``), then the data path ``want`` asks
+        for: ``"auto"`` maps the daemon's arena (and, with ``use_index``, its index) where it
+        can, else sets up UCX where the daemon offers it, ucxx imports and TLS is off;
+        ``"shm"`` and ``"ucx"`` insist on theirs, ``"tcp"`` sets up neither."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
@@ -146,13 +149,43 @@ class Connection:
         except BaseException:
             sock.close()
             raise
-        if want != "tcp":
+        if want in ("auto", "shm"):
             conn._attach(use_index)
             if conn.arena is None and want == "shm":
                 conn.close()
                 raise StoreUnavailable(f"transport='shm' but the arena of {address} cannot be "
                                        "mapped here (another host?); use transport='auto' or 'tcp'")
+        if want == "ucx" and not conn.hello.get("ucx"):
+            conn.close()
+            raise StoreUnavailable(f"transport='ucx' but the daemon at {address} does not serve UCX "
+                                   "(kvstore serve --ucx); use transport='auto' or 'tcp'")
+        if want == "ucx" or (want == "auto" and conn.arena is None and conn.hello.get("ucx")
+                             and tls is None and ucx.available() is None):
+            try:
+                conn._link()
+            except BaseException:
+                conn.close()
+                raise
         return conn
+
+    def _link(self) -> None:
+        """Set up the UCX data path (the UCX op, ``kvstore.net.ucx``), after HELLO."""
+        worker = ucx.process_worker()
+        prefix = worker.new_prefix()
+        try:
+            _, meta = self.exchange(P.Op.UCX, P.pack_json({"address": worker.address.hex(),
+                                                           "prefix": prefix}))
+            ans = P.unpack_json(meta)
+            if not isinstance(ans, dict):
+                raise ProtocolError("the UCX op's answer must be a JSON object")
+            self.ucx = ucx.Link(worker, bytes.fromhex(str(ans.get("address"))), prefix,
+                                int(ans.get("prefix") or 0))
+        except (ValueError, TypeError) as e:
+            worker.release_prefix(prefix)
+            raise ProtocolError(f"a malformed UCX answer from the daemon: {e}") from None
+        except BaseException:
+            worker.release_prefix(prefix)
+            raise
 
     def _attach(self, use_index: bool) -> None:
         arena = self.hello.get("arena")
@@ -177,6 +210,9 @@ class Connection:
                 self._tls = P.is_tls(self.sock)
 
     def close(self) -> None:
+        if self.ucx is not None:
+            self.ucx.close()
+            self.ucx = None
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -247,19 +283,20 @@ class Connection:
     # --- framing ---------------------------------------------------------------------------
 
     def exchange(self, op: P.Op, meta: bytes, data: list | None = None,
-                 keep_data: bool = False, expect: int | None = None) -> tuple[P.Header, memoryview]:
+                 keep_data: bool = False, expect: int | None = None,
+                 flags: int = 0) -> tuple[P.Header, memoryview]:
         """Send one request and read its response header and meta. With ``keep_data`` the
         response's data is left on the socket for the caller to read (``recv``). ``expect``:
         the meta length a success answers with, so that header and meta come in one
         ``recv``. Pending reads of the index go first, as one-way TOUCH frames in the same
         send."""
-        h, rmeta, _ = self.exchange_into(op, meta, data, expect=expect)
+        h, rmeta, _ = self.exchange_into(op, meta, data, expect=expect, flags=flags)
         if h.data_len and not keep_data:
             self.drain(h.data_len)
         return h, rmeta
 
     def exchange_into(self, op: P.Op, meta: bytes, data: list | None = None, *,
-                      expect: int | None = None, spill: Any = None
+                      expect: int | None = None, spill: Any = None, flags: int = 0
                       ) -> tuple[P.Header, memoryview, int]:
         """``exchange`` whose answer's data may start landing in ``spill`` (a writable
         buffer: the destination of a one-block GET) in the same ``recv`` as its header and
@@ -268,7 +305,7 @@ class Connection:
         touches = self._touch_frames() if self._reads else b""
         self.rid += 1
         data_len = sum(d.nbytes for d in data) if data else 0
-        head = P.pack_header(op, 0, self.rid, len(meta), data_len)
+        head = P.pack_header(op, flags, self.rid, len(meta), data_len)
         if data:
             P.send_buffers(self.sock, [touches, head, meta, *data])
         else:

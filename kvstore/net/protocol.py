@@ -6,7 +6,7 @@ Every message, request or response, is one frame (all integers little-endian)::
     0      4     magic        b"KVSP"
     4      1     version      1
     5      1     op           see ``Op``
-    6      2     flags        bit 0 RESPONSE, bit 1 ERROR, bit 2 NO_REPLY
+    6      2     flags        bit 0 RESPONSE, bit 1 ERROR, bit 2 NO_REPLY, bit 3 UCX
     8      8     request id   chosen by the client, echoed in the response
     16     4     meta length  bytes of structured metadata that follow the header
     20     4     reserved     0
@@ -46,6 +46,7 @@ PIN 11      keys                                        n u64 offsets, then size
                                                         if absent)
 UNPIN 12    keys (pinned by this connection)            (empty)
 TOUCH 13    keys, n u32 read counts, n u64 sizes        (empty)
+UCX 14      JSON {"address", "prefix"}                  JSON {"address", "prefix"}
 ==========  ==========================================  =====================================
 
 RESERVE/COMMIT/ABORT/PIN/UNPIN are the same-host shared-memory path: the client maps the
@@ -64,6 +65,9 @@ The first frame of a connection must be HELLO; with a daemon auth token (the clu
 ``kvstore.secret``) the client's token must match, otherwise the daemon answers an AUTH error
 and closes the connection. Before HELLO succeeds the daemon holds at most ``HEADER_SIZE +
 MAX_HELLO_META`` bytes for the connection and tells it nothing (no node id, no arena).
+
+UCX and ``FLAG_UCX`` (bit 3, on GET and RESERVE) are the UCX data path, block bytes as tagged
+UCX messages instead of frame data; ``kvstore.net.ucx``'s docstring is their spec.
 
 Request id 0 is the daemon's: an error frame with request id 0 is about the connection, not
 a request (a bad header, or a daemon that cannot take the connection: at its connection
@@ -107,7 +111,8 @@ __all__ = [
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
     "error_code_for", "recv_exact", "recv_buffers", "drain", "send_buffers", "local_host_id",
     "tune_socket", "SOCKET_BUFFER", "MAX_HELLO_META", "meta_limit", "is_tls", "pack_touch",
-    "unpack_touch", "NO_REPLY_OPS", "recv_at_least", "unpack_sizes",
+    "unpack_touch", "NO_REPLY_OPS", "recv_at_least", "unpack_sizes", "FLAG_UCX", "UCX_OPS",
+    "MAX_UCX_META",
 ]
 
 MAGIC = b"KVSP"
@@ -119,10 +124,12 @@ MAX_BATCH = 1 << 16
 MAX_DATA = 1 << 36
 MISSING = (1 << 64) - 1
 MAX_HELLO_META = 4096  # a HELLO's JSON: token, host id, pid
+MAX_UCX_META = 16384  # a UCX op's JSON: a worker address (hex) and a tag prefix
 
 FLAG_RESPONSE = 0x1
 FLAG_ERROR = 0x2
 FLAG_NO_REPLY = 0x4
+FLAG_UCX = 0x8  # the blocks move as UCX messages (kvstore.net.ucx)
 
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
@@ -144,6 +151,7 @@ class Op(IntEnum):
     PIN = 11
     UNPIN = 12
     TOUCH = 13
+    UCX = 14
 
 
 class ErrorCode(IntEnum):
@@ -169,8 +177,9 @@ _KEYS_META = 4 + MAX_BATCH * KEY_BYTES
 _KEYS_SIZES_META = 4 + MAX_BATCH * (KEY_BYTES + 8)
 _TOUCH_META = 4 + MAX_BATCH * (KEY_BYTES + 4 + 8)
 _META_LIMIT: dict[int, int] = {Op.HELLO: MAX_HELLO_META, Op.PUT: _KEYS_SIZES_META, Op.RESERVE: _KEYS_SIZES_META,
-               Op.STATS: 0, Op.TOUCH: _TOUCH_META}
+               Op.STATS: 0, Op.TOUCH: _TOUCH_META, Op.UCX: MAX_UCX_META}
 NO_REPLY_OPS = frozenset({Op.UNPIN, Op.TOUCH})  # the ops that may be sent with FLAG_NO_REPLY
+UCX_OPS = frozenset({Op.GET, Op.RESERVE})  # the ops that may be sent with FLAG_UCX
 
 
 def meta_limit(op: int) -> int:

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.net import protocol as P
 from kvstore.net.limits import ServerLimits
 from kvstore.net.session import Close, DropReason, FrameTimeout, ServerMetrics, Session
+from kvstore.net.ucx import Worker
 from kvstore.node.store import BlockStore
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class StoreServer:
 
     def __init__(self, store: BlockStore, *, host: str, port: int, node_id: str,
                  auth_token: str | None = None, limits: ServerLimits | None = None,
-                 metrics: ServerMetrics | None = None, tls: TLSConfig | None = None) -> None:
+                 metrics: ServerMetrics | None = None, tls: TLSConfig | None = None,
+                 ucx: bool = False) -> None:
         self.store = store
         self.node_id = node_id
         self.host_id = P.local_host_id()
@@ -104,6 +106,10 @@ class StoreServer:
         self.token = auth_token.encode() if auth_token else None
         self.metrics = metrics
         self.tls = tls
+        if ucx and tls is not None:
+            raise ValueError("UCX moves block bytes unencrypted: serve it without TLS (kvstore.net.ucx)")
+        self._want_ucx = ucx
+        self.ucx: Worker | None = None  # made by bind() when asked for
         self._ssl = tls.server_context() if tls is not None else None
         self.address: tuple[str, int] | None = None
         self.accept_errors = 0
@@ -134,6 +140,12 @@ class StoreServer:
             sock.close()
             raise
         sock.setblocking(False)
+        if self._want_ucx and self.ucx is None:
+            try:
+                self.ucx = Worker()
+            except BaseException:
+                sock.close()
+                raise
         self._listener = sock
         address: tuple[str, int] = sock.getsockname()[:2]
         self.address = address
@@ -202,6 +214,8 @@ class StoreServer:
             self._queue.put(None)
         if not done:
             log.warning("%d connection(s) still busy after %.1fs", self.connection_count, timeout)
+        elif self.ucx is not None:  # every session closed its endpoint: stop the progress thread
+            self.ucx.close()
         return done
 
     @property
@@ -213,6 +227,7 @@ class StoreServer:
                 "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
                 "connections": self.connection_count, "serving_threads": len(self._workers),
                 "max_data": self.max_reserve, "accept_errors": self.accept_errors,
+                "ucx": self.ucx is not None,
                 "uptime_s": round(time.monotonic() - self._started, 3)}
 
     # --- accepting ----------------------------------------------------------------------

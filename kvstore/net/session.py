@@ -28,6 +28,11 @@ the session again when TLS holds decrypted bytes that epoll cannot see.
 
 Whatever the session has reserved or pinned (``owner=self``) is released by ``release()``,
 which the server calls however the session ends.
+
+UCX (``kvstore.net.ucx``, its docstring the spec): after HELLO a client may ask for a UCX
+channel (the UCX op, ``kvstore.net.ucx_channel``); its GET and RESERVE requests with
+``FLAG_UCX`` then move the blocks as UCX messages, and ``release()`` closes the channel
+(cancelling what it posted) before it frees a slot.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import hmac
 import logging
 import socket
 import time
-from typing import Any, Callable, Literal, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, NoReturn, Protocol
 
 import numpy as np
 
@@ -49,6 +54,10 @@ from kvstore.net.frames import Close, FrameReader, FrameTimeout
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore
 
+if TYPE_CHECKING:
+    from kvstore.net.ucx import Worker
+    from kvstore.net.ucx_channel import UcxChannel
+
 __all__ = ["Session", "SessionHost", "ServerMetrics", "Close", "FrameTimeout", "Direction",
            "DataPath", "DropReason"]
 
@@ -58,7 +67,7 @@ _BURST = 64  # frames served in one step before the session yields its thread
 _OP_NAMES = {int(op): op.name.lower() for op in P.Op}  # the metrics' op label
 
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
-DataPath = Literal["tcp", "shm"]   # through the socket / through the shared-memory arena
+DataPath = Literal["tcp", "shm", "ucx"]  # the socket / the shared-memory arena / UCX messages
 DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout",
                      "tls_handshake"]
 
@@ -92,6 +101,7 @@ class SessionHost(Protocol):
     metrics: ServerMetrics | None
     node_id: str
     host_id: str
+    ucx: Worker | None  # the daemon's UCX worker, when it serves UCX (kvstore serve --ucx)
 
     def server_stats(self) -> dict[str, Any]: ...
 
@@ -102,7 +112,7 @@ class Session:
 
     __slots__ = ("server", "store", "sock", "fd", "peer", "state", "authed", "opened",
                  "last_active", "reader", "_header", "reserved", "reserved_bytes", "pins", "tls",
-                 "handshaking", "__weakref__")
+                 "handshaking", "ucx", "stuck", "__weakref__")
 
     def __init__(self, server: SessionHost, sock: socket.socket, peer: object, now: float) -> None:
         self.server = server
@@ -120,6 +130,8 @@ class Session:
         self.pins: collections.Counter[BlockKey] = collections.Counter()
         self.tls = P.is_tls(sock)
         self.handshaking = self.tls  # a TLS socket comes before its handshake
+        self.ucx: UcxChannel | None = None
+        self.stuck = False  # a UCX request outlived its endpoint: keep what it may write
 
     @property
     def frame_started(self) -> float | None:
@@ -193,6 +205,9 @@ class Session:
             self.fail(h.op, h.request_id, ProtocolError("a client sent a response frame"))
         if h.flags & P.FLAG_NO_REPLY and h.op not in P.NO_REPLY_OPS:
             self.fail(h.op, h.request_id, ProtocolError("only UNPIN and TOUCH may be sent with NO_REPLY"))
+        if h.flags & P.FLAG_UCX and (h.op not in P.UCX_OPS or self.ucx is None):
+            self.fail(h.op, h.request_id, ProtocolError(
+                "FLAG_UCX is for GET and RESERVE on a connection that set up UCX (op UCX)"))
         if h.op not in _HANDLERS:
             self.fail(h.op, h.request_id, ProtocolError(
                 f"unknown op {h.op}; this daemon speaks ops {[int(o) for o in P.Op]}"))
@@ -247,7 +262,11 @@ class Session:
         raise Close()
 
     def release(self) -> None:
-        """Abort this session's reservations and drop its pins (idempotent)."""
+        """Abort this session's reservations and drop its pins (idempotent); with a UCX
+        channel, only once it closed with nothing left in flight (else they stay: a leak,
+        logged, rather than a slot reused under a late message)."""
+        if not self._close_ucx() or self.stuck:
+            return
         try:
             self.store.release_owner(self)
             self.reserved.clear()
@@ -290,6 +309,7 @@ class Session:
             "arena": {"name": arena.name, "size": arena.size},
             "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, self.server.max_reserve),
             **({"index": index.info()} if index is not None else {}),
+            **({"ucx": True} if self.server.ucx is not None else {}),
         }))
 
     def _put(self, h: P.Header, meta: memoryview) -> None:
@@ -334,11 +354,33 @@ class Session:
                 sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
                                     dtype="<u8", count=len(locs)).tobytes()
             data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
-            self._reply(h, sizes, data)
-            self._count("out", "tcp", sum(v.nbytes for v in data))
+            if self.ucx is not None and h.flags & P.FLAG_UCX:
+                self._reply(h, sizes)
+                try:
+                    self.ucx.send_blocks(h.request_id, data, [i for i, loc in enumerate(locs) if loc is not None],
+                                         time.monotonic() + self.server.limits.frame_timeout)
+                except ConnectionError as e:  # unpinned below once the channel is closed
+                    log.info("closing connection %s: %s", self.peer, e)
+                    if not self._close_ucx():
+                        pinned = []
+                    raise Close() from None
+                self._count("out", "ucx", sum(v.nbytes for v in data))
+            else:
+                self._reply(h, sizes, data)
+                self._count("out", "tcp", sum(v.nbytes for v in data))
         finally:
             if pinned:
                 self.store.unpin(pinned)
+
+    def _close_ucx(self) -> bool:
+        """Close the channel now; False when a request outlived it (module docstring)."""
+        channel, self.ucx = self.ucx, None
+        if channel is None or channel.close():
+            return True
+        log.error("connection %s: UCX requests did not finish after the endpoint closed; "
+                  "its reservations and pins are kept", self.peer)
+        self.stuck = True
+        return False
 
     def _contains(self, h: P.Header, meta: memoryview) -> None:
         self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
@@ -361,6 +403,11 @@ class Session:
             if r is not None:
                 self.reserved[k] = s
                 self.reserved_bytes += s
+        if self.ucx is not None and h.flags & P.FLAG_UCX:  # the values come as UCX messages
+            buf = self.store.arena.buf
+            mine = [(i, r.offset, s) for i, (r, s) in enumerate(zip(res, sizes)) if r is not None]
+            self.ucx.post(h.request_id, [keys[i] for i, _, _ in mine],
+                          [buf[off: off + s] for _, off, s in mine], [i for i, _, _ in mine])
         offsets = np.fromiter((r.offset if r is not None else P.MISSING for r in res),
                               dtype="<u8", count=len(res))
         self._reply(h, offsets.tobytes())
@@ -376,13 +423,23 @@ class Session:
 
     def _commit(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
+        path: DataPath = "shm"
+        if self.ucx is not None and self.ucx.posted(keys):
+            path = "ucx"
+            try:
+                self.ucx.take(keys, self.server.limits.frame_timeout)
+            except ConnectionError as e:
+                self.fail(h.op, h.request_id, ProtocolError(f"COMMIT of values that did not arrive: {e}"))
         nbytes = self._owned_reservations(keys, "COMMIT")
         self.store.commit(keys)
-        self._count("in", "shm", nbytes)
+        self._count("in", path, nbytes)
         self._reply(h)
 
     def _abort(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
+        if self.ucx is not None and self.ucx.posted(keys):
+            raise ProtocolError("ABORT of keys whose values are expected over UCX: close the "
+                                "connection instead (kvstore.net.ucx)")
         self._owned_reservations(keys, "ABORT")
         self.store.abort(keys)
         self._reply(h)
@@ -414,6 +471,17 @@ class Session:
         if not h.flags & P.FLAG_NO_REPLY:
             self._reply(h)
 
+    def _ucx(self, h: P.Header, meta: memoryview) -> None:
+        worker = self.server.ucx
+        if worker is None:
+            raise ProtocolError("this daemon does not serve UCX (kvstore serve --ucx)")
+        if self.ucx is not None:
+            raise ProtocolError("a second UCX op on one connection")
+        from kvstore.net.ucx_channel import UcxChannel
+
+        self.ucx = UcxChannel(worker, P.unpack_json(meta))
+        self._reply(h, P.pack_json(self.ucx.hello()))
+
     def _touch(self, h: P.Header, meta: memoryview) -> None:
         keys, counts, sizes = P.unpack_touch(meta)
         self._count("out", "shm", self.store.touch(keys, counts, sizes))
@@ -426,5 +494,5 @@ _HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
     P.Op.CONTAINS: Session._contains, P.Op.PREFIX_LEN: Session._prefix_len,
     P.Op.DELETE: Session._delete, P.Op.STATS: Session._stats, P.Op.RESERVE: Session._reserve,
     P.Op.COMMIT: Session._commit, P.Op.ABORT: Session._abort, P.Op.PIN: Session._pin,
-    P.Op.UNPIN: Session._unpin, P.Op.TOUCH: Session._touch,
+    P.Op.UNPIN: Session._unpin, P.Op.TOUCH: Session._touch, P.Op.UCX: Session._ucx,
 }

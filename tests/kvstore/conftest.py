@@ -4,7 +4,8 @@
   deadline) for its readiness line; returns a ``DaemonProc``. Every daemon a test started is
   stopped at the end of the test.
 - ``daemon``: one plain daemon for a test. ``shared_daemon``: one per module, for tests that
-  only need a live node and clean up their own keys.
+  only need a live node and clean up their own keys. ``ucx_daemon``: one per module serving
+  UCX too (``--ucx``); skipped, naming why, where ``ucxx`` does not import.
 
 No daemon outlives the test run: teardown stops every daemon even when the test failed; a
 daemon started from the main thread gets SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so
@@ -110,5 +111,19 @@ def shared_daemon(tmp_path_factory) -> Iterator[DaemonProc]:
     factory = DaemonFactory(tmp_path_factory.mktemp("shared"))
     try:
         yield factory(memory="64M")
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="module")
+def ucx_daemon(tmp_path_factory) -> Iterator[DaemonProc]:
+    from kvstore.net import ucx
+
+    reason = ucx.available()
+    if reason is not None:
+        pytest.skip(reason)
+    factory = DaemonFactory(tmp_path_factory.mktemp("ucx"))
+    try:
+        yield factory("--ucx", memory="64M")
     finally:
         factory.close()

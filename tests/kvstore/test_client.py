@@ -29,10 +29,17 @@ def blocks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
 
 
-@pytest.fixture(params=["auto", "tcp"])
-def client(request, shared_daemon):
-    with Client(shared_daemon.address, transport=request.param) as c:
-        assert c.transport == ("shm" if request.param == "auto" else "tcp")
+TRANSPORTS = ["auto", "tcp", "ucx"]  # auto: shared memory here; ucx: a daemon that serves it
+
+
+def daemon_for(request, transport: str):
+    return request.getfixturevalue("ucx_daemon" if transport == "ucx" else "shared_daemon")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def client(request):
+    with Client(daemon_for(request, request.param).address, transport=request.param) as c:
+        assert c.transport == ("shm" if request.param == "auto" else request.param)
         yield c
 
 
@@ -133,7 +140,7 @@ def test_a_sink_may_land_a_block_where_it_asks_over_tcp(client):
     sinks = [Split(1000) for _ in keys]
     assert client.get(keys, sinks) == [True] * 3
     assert [s.got for s in sinks] == vals
-    want = "landed" if client.transport == "tcp" else "consumed"  # shm: where it lies
+    want = "consumed" if client.transport == "shm" else "landed"  # shm: where it lies
     assert [s.how for s in sinks] == [want, "consumed", want]
 
 
@@ -170,7 +177,9 @@ def test_shm_path_sends_no_kv_bytes_over_the_socket(shared_daemon):
         shm.delete(keys)
 
 
-def test_two_concurrent_clients_putting_the_same_keys(shared_daemon):
+@pytest.mark.parametrize("other", ["tcp", "ucx"])
+def test_two_concurrent_clients_putting_the_same_keys(request, other):
+    shared_daemon = daemon_for(request, other)
     keys, vals = rand_keys(200), blocks(200, 8192, seed=1)
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
@@ -184,7 +193,7 @@ def test_two_concurrent_clients_putting_the_same_keys(shared_daemon):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=writer, args=(t,)) for t in ("auto", "tcp")]
+    threads = [threading.Thread(target=writer, args=(t,)) for t in ("auto", other)]
     for t in threads:
         t.start()
     for t in threads:
@@ -195,8 +204,9 @@ def test_two_concurrent_clients_putting_the_same_keys(shared_daemon):
         assert c.delete(keys) == 200  # one copy each
 
 
-def test_thread_safe_client_shared_by_threads(shared_daemon):
-    with Client(shared_daemon.address) as c:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_thread_safe_client_shared_by_threads(request, transport):
+    with Client(daemon_for(request, transport).address, transport=transport) as c:
         def work(seed: int) -> bool:
             keys, vals = rand_keys(8), blocks(8, 1024, seed)
             c.put(keys, vals)
@@ -254,9 +264,15 @@ def test_silent_peer_times_out_as_unavailable():
         assert time.monotonic() - t0 < 2.0
 
 
-def test_killed_daemon_fails_fast(start_daemon):
-    d = start_daemon()
-    c = Client(d.address)
+@pytest.mark.parametrize("transport", ["auto", "ucx"])
+def test_killed_daemon_fails_fast(start_daemon, transport):
+    if transport == "ucx":
+        from kvstore.net import ucx
+
+        if ucx.available() is not None:
+            pytest.skip(ucx.available())
+    d = start_daemon(*(["--ucx"] if transport == "ucx" else []))
+    c = Client(d.address, transport=transport)
     keys = rand_keys(2)
     c.put(keys, [b"1" * 64, b"2" * 64])
     d.kill()

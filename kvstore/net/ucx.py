@@ -1,0 +1,237 @@
+"""The UCX data path (``ucxx``): block bytes as tagged UCX messages, control on the socket.
+
+A connection that uses UCX is an ordinary kvstore connection (``kvstore.net.protocol``):
+the socket carries HELLO, the cluster secret, every request and every answer, and its life
+is the session's life. Only block values move over UCX, as one tagged message a block, sent
+from where the block lies into where it goes: a GET's blocks from their pinned arena slots
+into the caller's buffers, a PUT's values into their reserved arena slots. UCX's rendezvous
+protocol moves a large tagged message with no intermediate copy (RDMA where the hardware
+has it; TCP, shared memory or cma on this machine). So every guarantee of the TCP path holds
+unchanged: authentication, typed errors, bad input closing one connection, and whatever a
+connection reserved or pinned dying with its socket.
+
+Setting up (after HELLO succeeded; before it the daemon answers nothing but HELLO):
+
+- HELLO's answer carries ``"ucx": true`` when the daemon serves UCX (``kvstore serve
+  --ucx``); a store's etcd registration lists ``"ucx"`` in its ``"transports"``.
+- The client sends ``UCX`` (op 14), meta JSON ``{"address": <its worker address, hex>,
+  "prefix": <u32>}``; the answer is ``{"address": <the daemon's worker address, hex>,
+  "prefix": <u32>}``. Each side then has an endpoint to the other's worker. No worker address
+  crosses before the peer proved the cluster secret, nor to a daemon that refused it.
+
+Tags (u64): ``prefix << 32 | (request id & 0xffff) << 16 | i``, where ``prefix`` is the
+*receiver's* (unique per connection within the receiving process) and ``i`` the block's
+index among the request's keys (< ``MAX_BATCH``). A receiver posts a receive for exactly the
+tags it expects, so unsolicited tags are never matched.
+
+Requests with ``FLAG_UCX`` (bit 3), on a connection set up as above only:
+
+- ``GET``: the answer's meta is the sizes, as over TCP, with no data on the socket; the
+  daemon then sends each present block, tag ``i`` its index among the keys, and unpins the
+  blocks only once every send completed (or was cancelled with the endpoint). The client
+  posts its receives once it knows the sizes.
+- ``RESERVE``: as on shared memory (offsets, ``MISSING`` for present keys); the daemon posts
+  a receive into each reserved slot, and the client sends each value it got an offset for
+  (tag ``i``), then ``COMMIT``s those keys: the daemon waits (within the frame deadline) for
+  their receives before it commits. An ``ABORT`` of keys whose receives are posted is a
+  PROTOCOL error: the client drops the connection instead, and its end closes the endpoint.
+
+When a session ends, the daemon closes its endpoint, which cancels every receive and send
+still posted, and waits for them to finish before it frees a slot; a slot whose request did
+not finish in time is left reserved or pinned (a leak, logged) rather than reused under a
+late write. Without TLS only: UCX moves bytes in the clear, so a TLS client never asks for it
+and ``kvstore serve`` refuses ``--ucx`` with ``--tls-cert``.
+
+Progress: one worker per process (the daemon's, or the client process's, shared by its
+connections), progressed by UCX's own thread in blocking mode (it sleeps in ``epoll`` until
+the worker has events); callers wait for a request by polling its state with a sleep that
+backs off to ``_MAX_PAUSE``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any, Sequence
+
+__all__ = ["available", "Worker", "Endpoint", "Link", "process_worker", "tag", "wait", "UcxError"]
+
+_MAX_PAUSE = 200e-6
+_CLOSE_WAIT = 5.0  # how long a closing endpoint waits for its cancelled requests
+
+
+class UcxError(ConnectionError):
+    """A UCX transfer failed, was cancelled or timed out: the connection is out of step."""
+
+
+_import_error: str | None = None
+_lib: Any = None
+_Array: Any = None
+
+
+def available() -> str | None:
+    """None when ``ucxx`` imports here; else why not (a skip reason, an error message)."""
+    global _import_error, _lib, _Array
+    if _lib is None and _import_error is None:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        try:
+            from ucxx._lib import libucxx  # type: ignore[import-not-found]
+            from ucxx._lib.arr import Array  # type: ignore[import-not-found]
+        except Exception as e:  # ImportError, or a library that does not load
+            _import_error = (f"ucxx is not importable ({e}); install the ucx extra: "
+                             "pip install 'kvcache-store[ucx]'")
+        else:
+            _lib, _Array = libucxx, Array
+    return _import_error
+
+
+def tag(prefix: int, rid: int, i: int) -> int:
+    return (prefix << 32) | ((rid & 0xFFFF) << 16) | i
+
+
+def _settle(reqs: Sequence[Any], deadline: float) -> bool:
+    """Wait until every request completed (True) or ``deadline`` (monotonic) passed (False)."""
+    pause = 1e-6
+    for r in reqs:
+        while not r.completed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE)
+    return True
+
+
+def wait(reqs: Sequence[Any], deadline: float) -> None:
+    """Wait until every request completed, then raise ``UcxError`` for the first that
+    failed; ``UcxError`` at ``deadline`` (monotonic) if some are still in flight."""
+    if not _settle(reqs, deadline):
+        raise UcxError("a UCX transfer did not complete in time")
+    for r in reqs:
+        try:
+            r.check_error()
+        except Exception as e:
+            raise UcxError(f"a UCX transfer failed: {type(e).__name__}: {e}") from None
+
+
+class Endpoint:
+    """One endpoint to a peer's worker, tracking what it posted until ``close``."""
+
+    def __init__(self, ep: Any) -> None:
+        self._ep = ep
+        self._inflight: list[Any] = []
+        self.stuck = False  # close() could not see a posted request finish
+
+    def _open(self) -> Any:
+        if self._ep is None:
+            raise UcxError("the UCX endpoint is closed")
+        return self._ep
+
+    def send(self, views: Sequence[Any], tags: Sequence[int]) -> list[Any]:
+        """Post one tagged send a view (the views stay untouched until their requests end)."""
+        ep = self._open()
+        reqs = [ep.tag_send(_Array(v), _lib.UCXXTag(t)) for v, t in zip(views, tags)]
+        self._track(reqs)
+        return reqs
+
+    def recv(self, views: Sequence[Any], tags: Sequence[int]) -> list[Any]:
+        """Post one tagged receive a view (written until its request ends, or is cancelled)."""
+        ep = self._open()
+        reqs = [ep.tag_recv(_Array(v), _lib.UCXXTag(t)) for v, t in zip(views, tags)]
+        self._track(reqs)
+        return reqs
+
+    def _track(self, reqs: list[Any]) -> None:
+        live = [r for r in self._inflight if not r.completed]
+        live += reqs
+        self._inflight = live
+
+    def close(self) -> bool:
+        """Close the endpoint (cancelling what it has posted) and wait for its requests to
+        finish; True when all did (their buffers are free to reuse)."""
+        if self._ep is None:
+            return not self.stuck
+        ep, self._ep = self._ep, None
+        try:
+            ep.close_blocking()
+        except Exception:
+            pass
+        self.stuck = not _settle(self._inflight, time.monotonic() + _CLOSE_WAIT)
+        self._inflight = []
+        return not self.stuck
+
+
+class Worker:
+    """A UCX context and worker, progressed by UCX's thread in blocking mode."""
+
+    def __init__(self) -> None:
+        reason = available()
+        if reason is not None:
+            raise RuntimeError(reason)
+        self._ctx = _lib.UCXContext(feature_flags=(_lib.Feature.TAG, _lib.Feature.WAKEUP))
+        self._worker = _lib.UCXWorker(self._ctx)
+        self._worker.start_progress_thread(polling_mode=False)
+        self.address: bytes = self._worker.address.tobytes()
+        self._prefixes: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def new_prefix(self) -> int:
+        """A tag prefix no live connection of this process uses (``release_prefix``)."""
+        with self._lock:
+            while True:
+                p = random.getrandbits(32)
+                if p and p not in self._prefixes:
+                    self._prefixes.add(p)
+                    return p
+
+    def release_prefix(self, prefix: int) -> None:
+        with self._lock:
+            self._prefixes.discard(prefix)
+
+    def endpoint(self, address: bytes) -> Endpoint:
+        """An endpoint to the worker at ``address`` (``ValueError`` if it is not one)."""
+        try:
+            addr = _lib.UCXAddress.create_from_buffer(address)
+            return Endpoint(_lib.UCXEndpoint.create_from_worker_address(self._worker, addr, True))
+        except Exception as e:
+            raise ValueError(f"not a UCX worker address ({type(e).__name__}: {e})") from None
+
+    def close(self) -> None:
+        """Stop the progress thread (endpoints first: ``Endpoint.close``)."""
+        if not self._closed:
+            self._closed = True
+            self._worker.stop_progress_thread()
+
+
+_process: Worker | None = None
+_process_lock = threading.Lock()
+
+
+def process_worker() -> Worker:
+    """This process's client-side worker, made on first use and stopped at exit."""
+    global _process
+    with _process_lock:
+        if _process is None:
+            import atexit
+
+            _process = Worker()
+            atexit.register(_process.close)
+        return _process
+
+
+class Link:
+    """A client connection's UCX side: its endpoint to the daemon's worker, the prefix of
+    the tags it receives (``prefix``) and of those the daemon receives (``peer_prefix``)."""
+
+    def __init__(self, worker: Worker, address: bytes, prefix: int, peer_prefix: int) -> None:
+        self.ep = worker.endpoint(address)
+        self.prefix = prefix
+        self.peer_prefix = peer_prefix
+        self._worker = worker
+
+    def close(self) -> None:
+        """Close the endpoint; its cancelled receives no longer write into a caller's buffer."""
+        self.ep.close()
+        self._worker.release_prefix(self.prefix)
