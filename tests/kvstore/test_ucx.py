@@ -1,0 +1,159 @@
+"""The UCX data path's guarantees (kvstore/net/ucx.py), against real daemons: nothing of UCX
+before the cluster secret, a block being sent is never evicted, reservations die with the
+connection, bad input closes that one connection, and the transport each side picks.
+(The client API itself runs over UCX in test_client.py's transport-parametrized fixture.)"""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvstore import Client, ProtocolError, StoreUnavailable
+from kvstore.keys import BlockKey
+from kvstore.net import protocol as P, ucx
+from tests.kvstore.test_bad_input import closed, raw, read_frame, wait_alone
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(ucx.available() is not None, reason=str(ucx.available()))]
+
+
+def rand_keys(n: int) -> list[BlockKey]:
+    return [BlockKey(os.urandom(16)) for _ in range(n)]
+
+
+def ucx_meta() -> bytes:
+    w = ucx.process_worker()
+    return P.pack_json({"address": w.address.hex(), "prefix": 7})
+
+
+def test_nothing_of_ucx_before_the_secret(start_daemon, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    d = start_daemon("--ucx", "--cluster-secret-file", str(secret))
+    s = raw(d, authed=False)  # the UCX op first: refused, and the connection closed
+    meta = ucx_meta()
+    s.sendall(P.pack_header(P.Op.UCX, 0, 1, len(meta)) + meta)
+    h, m = read_frame(s)
+    assert h.flags & P.FLAG_ERROR and P.error_from_meta(m).__class__.__name__ == "AuthError"
+    assert b"address" not in m and closed(s)
+    s = raw(d, authed=False)  # a wrong secret: an AUTH error, nothing about UCX
+    hello = P.pack_json({"token": "wrong", "host_id": "elsewhere", "pid": 0})
+    s.sendall(P.pack_header(P.Op.HELLO, 0, 1, len(hello)) + hello)
+    h, m = read_frame(s)
+    assert h.flags & P.FLAG_ERROR and b"ucx" not in m and closed(s)
+    s = raw(d, token="s3cret")  # the right one: the UCX op answers the daemon's worker
+    s.sendall(P.pack_header(P.Op.UCX, 0, 2, len(meta)) + meta)
+    h, m = read_frame(s)
+    assert not h.flags & P.FLAG_ERROR
+    assert len(bytes.fromhex(P.unpack_json(m)["address"])) > 16
+    s.close()
+
+
+def test_a_block_being_sent_is_not_evicted(start_daemon):
+    """A GET over UCX whose client has not posted its receives yet keeps its block pinned
+    while another client's puts evict everything else from the 16 MiB arena."""
+    d = start_daemon("--ucx", memory="16M")
+    key, value = rand_keys(1), np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    with Client(d.address, transport="ucx") as reader, Client(d.address, transport="ucx") as filler:
+        assert reader.put(key, [value]) == [True]
+        conn = reader._connection()
+        _, meta = conn.exchange(P.Op.GET, P.pack_keys(key), expect=8, flags=P.FLAG_UCX)
+        assert P.unpack_sizes(meta) == [value.nbytes]
+        rid = conn.rid
+        for _ in range(4):  # 4 x 3 x 3 MiB through a 16 MiB arena
+            filler.put(rand_keys(3), [np.ones(3 << 20, np.uint8)] * 3)
+        assert filler.stats()["store"]["host"]["evictions"] > 0
+        got = np.zeros_like(value)
+        assert conn.ucx is not None
+        ucx.wait(conn.ucx.ep.recv([got], [ucx.tag(conn.ucx.prefix, rid, 0)]), time.monotonic() + 5)
+        assert np.array_equal(got, value)
+        assert reader.get_bytes(key) == [value.tobytes()]  # and it is still there, unpinned
+
+
+def allocated(c: Client) -> int:
+    return c.stats()["store"]["host"]["allocated_bytes"]
+
+
+def freed_to(c: Client, nbytes: int, timeout: float = 5.0) -> bool:
+    """Whether the arena's allocation came back to ``nbytes`` within ``timeout`` (a session
+    leaves the daemon's table before its release, which closes its UCX endpoint first)."""
+    deadline = time.monotonic() + timeout
+    while allocated(c) != nbytes:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_reservations_die_with_the_connection(start_daemon):
+    d = start_daemon("--ucx")
+    with Client(d.address, transport="tcp") as watcher:
+        before = allocated(watcher)
+        c = Client(d.address, transport="ucx")
+        c._connection().exchange(P.Op.RESERVE, P.pack_keys_sizes(rand_keys(2), [4 << 20, 4 << 20]),
+                                 expect=16, flags=P.FLAG_UCX)
+        assert allocated(watcher) >= before + (8 << 20)
+        c.close()  # its receives posted into the slots are cancelled, then the slots freed
+        wait_alone(watcher)
+        assert freed_to(watcher, before)
+
+
+def test_values_that_never_come_fail_the_commit_and_free_their_slots(start_daemon):
+    d = start_daemon("--ucx", "--frame-timeout", "0.3")
+    with Client(d.address, transport="tcp") as watcher:
+        before = allocated(watcher)
+        c = Client(d.address, transport="ucx")
+        keys = rand_keys(1)
+        conn = c._connection()
+        conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(keys, [1 << 20]), expect=8, flags=P.FLAG_UCX)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="did not arrive"):
+            conn.exchange(P.Op.COMMIT, P.pack_keys(keys), expect=0)
+        assert time.monotonic() - t0 < 3
+        c.close()
+        wait_alone(watcher)
+        assert freed_to(watcher, before) and watcher.contains(keys) == [False]
+
+
+def test_bad_ucx_input_closes_that_one_connection(ucx_daemon):
+    with Client(ucx_daemon.address, transport="ucx") as good:
+        keys = rand_keys(1)
+        good.put(keys, [b"v" * 5000])
+        for op, meta, flags in (
+                (P.Op.GET, P.pack_keys(keys), P.FLAG_UCX),  # no UCX set up on this connection
+                (P.Op.CONTAINS, P.pack_keys(keys), P.FLAG_UCX),  # not an op that moves blocks
+                (P.Op.UCX, b"{not json", 0),
+                (P.Op.UCX, P.pack_json({"address": "zz", "prefix": 1}), 0),
+                (P.Op.UCX, P.pack_json({"address": "00" * 64, "prefix": 1}), 0)):
+            s = raw(ucx_daemon)
+            s.sendall(P.pack_header(op, flags, 5, len(meta)) + meta)
+            h, m = read_frame(s)
+            assert h.flags & P.FLAG_ERROR and isinstance(P.error_from_meta(m), ProtocolError)
+            assert closed(s)
+            s.close()
+        conn = good._connection()  # an ABORT of values expected over UCX: refused and closed
+        k2 = rand_keys(1)
+        conn.exchange(P.Op.RESERVE, P.pack_keys_sizes(k2, [100]), expect=8, flags=P.FLAG_UCX)
+        with pytest.raises(ProtocolError, match="ABORT"):
+            conn.exchange(P.Op.ABORT, P.pack_keys(k2), expect=0)
+        good._drop()  # as Client does after a ProtocolError
+        assert good.get_bytes(keys) == [b"v" * 5000]  # reconnected, the daemon serves on
+        assert good.transport == "ucx"
+
+
+def test_the_transport_each_side_picks(ucx_daemon, shared_daemon):
+    with Client(ucx_daemon.address) as auto:
+        assert auto.transport == "shm"  # same host: shared memory wins
+    with Client(ucx_daemon.address, transport="tcp") as tcp:
+        assert tcp.transport == "tcp"
+    with pytest.raises(StoreUnavailable, match="does not serve UCX"):
+        Client(shared_daemon.address, transport="ucx")
+    with pytest.raises(ValueError, match="unencrypted"):
+        Client(ucx_daemon.address, transport="ucx", tls=_fake_tls())
+
+
+def _fake_tls():
+    from kvstore.tls import TLSConfig
+
+    return TLSConfig(cert="c", key="k", ca="a")
