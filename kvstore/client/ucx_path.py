@@ -7,8 +7,9 @@ the values arrived. A get is GET (``FLAG_UCX``), whose answer gives the sizes, t
 receive a present block, straight into the caller's buffer (a ``Sink``'s landing arrays or
 staging array: ``kvstore.net.buffers``). A failed or late transfer raises ``UcxError`` (a
 ``ConnectionError``): ``Client`` drops the connection, whose endpoint's close cancels what is
-still posted, and the daemon releases what the connection reserved. Each function runs on one
-connection under the client's lock.
+still posted, and the daemon releases what the connection reserved. The client's
+``bytes_sent``/``bytes_received`` stay the socket's: UCX bytes are not counted there. Each
+function runs on one connection under the client's lock.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ def put(conn: Connection, keys, srcs: list[list[np.ndarray]], timeout: float) ->
         return
     sends = link.ep.send([_whole(srcs[i]) for i in mine], [ucx.tag(link.peer_prefix, rid, i) for i in mine])
     ucx.wait(sends, time.monotonic() + timeout)
-    conn._traffic.sent += sum(sizes[i] for i in mine)
     conn.exchange(P.Op.COMMIT, P.pack_keys([keys[i] for i in mine]), expect=0)
 
 
@@ -61,7 +61,6 @@ def _receive(conn: Connection, rid: int, at: list[int], views: list[Any], timeou
     link = _link(conn)
     ucx.wait(link.ep.recv(views, [ucx.tag(link.prefix, rid, i) for i in at]),
              time.monotonic() + timeout)
-    conn._traffic.received += sum(memoryview(v).nbytes for v in views)
 
 
 def get(conn: Connection, keys, dests: list[Dest], timeout: float) -> list[bool]:
