@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Self, overload, runtime_checkable
 
 from kvstore.client.node import Client
+from kvstore.client.transport import Transport
 
 if TYPE_CHECKING:
     from kvstore.client.cluster import ClusterClient
@@ -63,22 +64,28 @@ class StoreClient(Protocol):
 
 @overload
 def connect(address: str, *, etcd: None = None, cluster: str = "kvstore",
-            auth_token: str | None = None, timeout: float = 5.0) -> Client: ...
+            auth_token: str | None = None, timeout: float = 5.0, transport: Transport = "auto") -> Client: ...
 @overload
 def connect(address: None = None, *, etcd: str, cluster: str = "kvstore",
-            auth_token: str | None = None, timeout: float = 5.0) -> ClusterClient: ...
+            auth_token: str | None = None, timeout: float = 5.0,
+            transport: Transport = "auto") -> ClusterClient: ...
 @overload
 def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
-            auth_token: str | None = None, timeout: float = 5.0) -> Client | ClusterClient: ...
+            auth_token: str | None = None, timeout: float = 5.0,
+            transport: Transport = "auto") -> Client | ClusterClient: ...
 def connect(address: str | None = None, *, etcd: str | None = None, cluster: str = "kvstore",
-            auth_token: str | None = None, timeout: float = 5.0) -> StoreClient:
+            auth_token: str | None = None, timeout: float = 5.0,
+            transport: Transport = "auto") -> StoreClient:
     """A ``Client`` for one node at ``address``, or a ``ClusterClient`` over the nodes
-    registered in etcd at ``etcd`` (endpoints URL) under ``cluster``. Pass exactly one."""
+    registered in etcd at ``etcd`` (endpoints URL) under ``cluster``. Pass exactly one.
+    ``transport`` picks the data path (``kvstore.client.transport``: ``"auto"`` by the
+    transport matrix, or one forced)."""
     if (address is None) == (etcd is None):
         raise ValueError("pass exactly one of address='host:port' or etcd='http://host:port'")
     if address is not None:
-        return Client(address, auth_token=auth_token, timeout=timeout)
+        return Client(address, auth_token=auth_token, timeout=timeout, transport=transport)
     assert etcd is not None
     from kvstore.client.cluster import ClusterClient  # etcd and httpx only when asked for
 
-    return ClusterClient(etcd, cluster=cluster, auth_token=auth_token, timeout=timeout)
+    return ClusterClient(etcd, cluster=cluster, auth_token=auth_token, timeout=timeout,
+                         transport=transport)

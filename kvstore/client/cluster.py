@@ -35,7 +35,9 @@ For callers that talk to one node themselves (e.g. a prefill->decode handoff):
 ``kvstore.net.protocol.local_host_id()``: its ``Client`` maps the arena and moves bytes
 over shared memory).
 
-Per-node ``Client``s are created on first use and closed when their node leaves. If etcd
+Per-node ``Client``s are created on first use (their path per ``transport``: shared memory,
+UCX or TCP by what the node advertises, ``kvstore.client.transport``) and closed when their
+node leaves. If etcd
 becomes unreachable the last known membership stays in use (``etcd_healthy`` says so).
 Thread-safe: calls from several threads may run at once.
 """
@@ -49,8 +51,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvstore import tls as tls_settings
 from kvstore.client.node import Client
 from kvstore.client.read_repair import ReadRepair, RepairItem
+from kvstore.client.transport import Transport, pick
 from kvstore.errors import StoreUnavailable
 from kvstore.coord import layout, settings
 from kvstore.coord.etcd import EtcdClient, client_for
@@ -81,6 +85,7 @@ class ClusterClient:
         retry_after: float = 1.0,
         read_repair: bool = True,
         on_change: Callable[[], None] | None = None,
+        transport: Transport = "auto",
     ) -> None:
         self.prefix = layout.stores_prefix(cluster)  # a malformed cluster name fails here
         self.cluster = cluster
@@ -88,6 +93,7 @@ class ClusterClient:
         self._timeout = timeout
         self._retry_after = retry_after
         self._on_change_cb = on_change
+        self._transport: Transport = transport
         self._lock = threading.Lock()
         self._members: dict[str, dict[str, Any]] = {}
         self._addresses: dict[str, str] = {}
@@ -222,11 +228,13 @@ class ClusterClient:
                 raise StoreUnavailable("this ClusterClient is closed; create a new one")
             client = self._clients.get(node)
             address = self._addresses.get(node)
+            member = self._members.get(node)
         if client is not None:
             return client
         if address is None:
             raise StoreUnavailable(f"store node {node} left the cluster")
-        client = Client(address, auth_token=self._auth_token, timeout=self._timeout)
+        client = Client(address, auth_token=self._auth_token, timeout=self._timeout,
+                        transport=pick(member, self._transport, tls=tls_settings.current() is not None))
         with self._lock:
             if self._addresses.get(node) == address and node not in self._clients:
                 self._clients[node] = client

@@ -61,6 +61,7 @@ import numpy as np
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
 from kvstore.client import shm_path, ucx_path
+from kvstore.client.transport import TRANSPORTS, Transport
 from kvstore.net.buffers import Dest, source_parts
 from kvstore.net import ucx
 from kvstore.net.connection import Connection, Traffic, parse_address
@@ -68,7 +69,6 @@ from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, St
 
 __all__ = ["Client", "parse_address"]
 
-Transport = Literal["auto", "tcp", "shm", "ucx"]
 
 
 def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
@@ -100,7 +100,7 @@ class Client:
                  transport: Transport = "auto",
                  tls: tls_settings.TLSConfig | Literal[False] | None = None,
                  shared_index: bool = True) -> None:
-        if transport not in ("auto", "tcp", "shm", "ucx"):
+        if transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto', 'tcp', 'shm' or 'ucx', got {transport!r}")
         parse_address(address)  # a malformed address fails here, not on first use
         self.address = address

@@ -157,3 +157,40 @@ def _fake_tls():
     from kvstore.tls import TLSConfig
 
     return TLSConfig(cert="c", key="k", ca="a")
+
+
+def test_a_cluster_client_picks_by_what_a_node_advertises(monkeypatch):
+    from kvstore.client import transport as T
+
+    here, there = P.local_host_id(), "0" * 32
+    assert T.pick({"host_id": here, "transports": ["tcp", "shm"]}, "auto") == "auto"  # shm
+    assert T.pick({"host_id": there, "transports": ["tcp", "shm", "ucx"]}, "auto") == "auto"  # ucx
+    assert T.pick({"host_id": there, "transports": ["tcp", "shm"]}, "auto") == "tcp"
+    assert T.pick({"host_id": there}, "auto") == "tcp"  # an older daemon's registration
+    assert T.pick({"host_id": there, "transports": ["ucx"]}, "auto", tls=True) == "tcp"
+    assert T.pick({"host_id": there}, "ucx") == "ucx"  # forced, whatever it advertises
+    monkeypatch.setattr(ucx, "available", lambda: "ucxx is not importable (test)")
+    assert T.pick({"host_id": there, "transports": ["ucx"]}, "auto") == "tcp"
+
+
+def test_a_ucx_daemon_advertises_it_and_a_cluster_client_uses_it(start_daemon, etcd, unique_prefix):
+    import json
+
+    from kvstore.client.cluster import ClusterClient
+    from kvstore.coord import layout
+    from kvstore.coord.etcd import EtcdClient
+
+    cluster = unique_prefix.strip("/")
+    d = start_daemon("--ucx", "--etcd", etcd, "--cluster", cluster)
+    plain = start_daemon("--etcd", etcd, "--cluster", cluster)
+    with EtcdClient(etcd) as e:
+        got = {n: json.loads(e.get(layout.store_key(cluster, n)) or "{}")["transports"]
+               for n in (d.node_id, plain.node_id)}
+    assert got == {d.node_id: ["tcp", "shm", "ucx"], plain.node_id: ["tcp", "shm"]}
+    with ClusterClient(etcd, cluster, transport="ucx") as cc:
+        assert cc.wait_for_nodes(2, 10)
+        node = cc.node_client(d.node_id)
+        assert node is not None and node.transport == "ucx"
+    with ClusterClient(etcd, cluster) as cc:  # auto, one host: shared memory with both
+        assert cc.wait_for_nodes(2, 10)
+        assert {cc.node_client(n).transport for n in got} == {"shm"}  # type: ignore[union-attr]
