@@ -46,7 +46,10 @@ imports Mooncake. Target: both our paths beat it on every batched size from 360 
 harness (``router.cluster.hosts``; needs root), gets and puts over the veth link against a raw
 socket over the same link, plus a 2k-token prompt's handoff (``benchmarks/store_hosts.py``).
 Target: batched gets of blocks >= 360 KiB reach >= 80% of the raw socket. No plot. With
-``--tls`` the daemon and client speak TLS, against the plain raw socket and a TLS one.
+``--tls`` the daemon and client speak TLS, against the plain raw socket and a TLS one. With
+``--transport ucx`` the daemon serves UCX and the client moves the blocks over it, against our
+TCP path and the raw socket on the same link, with the serving process's CPU-seconds per GB
+beside each (``store_hosts``' docstring).
 """
 
 from __future__ import annotations
@@ -302,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls", action="store_true",
                     help="with --hosts: the daemon and client speak TLS (the raw socket stays "
                          "plain), so the ratio is TLS's cost on the link")
+    ap.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
+                    help="with --hosts: the client's path to the daemon; ucx also times our TCP "
+                         "path in the same rounds (default tcp)")
     ap.add_argument("--no-handoff", action="store_true",
                     help="with --hosts: skip the 2k-token prompt's KV handoff")
     return ap
@@ -320,8 +326,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.hosts:
         return _main_hosts(args, iters, cap)
-    if args.tls or args.no_handoff:
-        raise SystemExit("--tls and --no-handoff go with --hosts 2")
+    if args.tls or args.no_handoff or args.transport != "tcp":
+        raise SystemExit("--tls, --no-handoff and --transport go with --hosts 2")
     mooncake = None
     if "mooncake" in args.peer:
         mooncake = Mooncake(Path(args.mooncake_python), parse_size(args.memory), out / "mooncake-logs")
@@ -381,7 +387,8 @@ def _main_hosts(args: argparse.Namespace, iters: int, cap: int) -> None:
     if args.peer:
         raise SystemExit("--peer does not go with --hosts")
     res = store_hosts.run(SIZES, BATCHES, iters=iters, cap=cap, memory=args.memory,
-                          seed=args.seed, handoff=not args.no_handoff, tls=args.tls)
+                          seed=args.seed, handoff=not args.no_handoff, tls=args.tls,
+                          transport=args.transport)
     rows = res["results"]
     batched = [r for r in rows if r["batch"] > 1 and r["block_bytes"] >= 360 * KiB]
 
@@ -390,13 +397,16 @@ def _main_hosts(args: argparse.Namespace, iters: int, cap: int) -> None:
         return f"{b // MiB} MiB x {r['batch']}" if b % MiB == 0 else f"{b // KiB} KiB x {r['batch']}"
 
     print(json.dumps({
-        "bench": "store_hosts", "hosts": args.hosts, "tls": args.tls, "seed": args.seed,
+        "bench": "store_hosts", "hosts": args.hosts, "tls": args.tls, "transport": args.transport,
+        "seed": args.seed,
         "quick": args.quick, "iters": iters, "max_batch_bytes": cap, "memory": args.memory,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "processor": platform.processor()},
         "link": res["link"],
         "targets_met": {"get_ge_80pct_raw_socket": all(r["get_vs_raw"] >= 0.8 for r in batched)},
-        "ratios": {label(r): {"get": r["get_vs_raw"], "put": r["put_vs_raw"]} for r in rows},
+        "ratios": {label(r): {"get": r["get_vs_raw"], "put": r["put_vs_raw"],
+                              **({"get_vs_tcp": r["get_vs_tcp"], "put_vs_tcp": r["put_vs_tcp"]}
+                                 if "get_vs_tcp" in r else {})} for r in rows},
         "handoff": res["handoff"], "results": rows,
     }))
 

@@ -24,6 +24,13 @@ engine connector saves it (puts of at most 64 MiB) and loaded in one get, both a
 link: the prefill and decode workers on hosts other than the store's. Beside it, the raw
 socket moving the same bytes in the same pattern.
 
+With ``--transport ucx`` the daemon serves UCX (``kvstore serve --ucx``) and the timed client
+is a UCX one (``Client(transport="ucx")``: block bytes as tagged UCX messages,
+``kvstore.net.ucx``); a TCP client of the same daemon is timed in the same rounds
+(``tcp_get``/``tcp_put``, ``*_vs_tcp``). Every row then also has the CPU-seconds per GB moved
+of the process serving each (the daemon for ours, the raw server for the raw socket;
+``/proc/PID/stat``, summed over the timed calls): ``*_cpu_s_per_gb``.
+
 With ``--tls`` the daemon and client speak TLS (``kvstore.tls``, certificates from
 ``kvstore.certs``) and the raw pair stays plain, so ``get_vs_raw`` is what TLS costs on the
 link; a second raw pair speaks TLS with the same certificates and the same socket helpers
@@ -147,17 +154,31 @@ class _Raw:
             self.sock.close()
 
 
-def _rounds(fns: dict[str, Any], before: Any, iters: int) -> dict[str, list[float]]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (the hosts share the pid namespace)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rounds(fns: dict[str, Any], before: Any, iters: int,
+            cpu: dict[str, Any] | None = None) -> dict[str, list[float]]:
     """One warm-up round, then ``iters`` rounds of each of ``fns`` in turn (``before`` runs
-    untimed ahead of every round); seconds per call."""
+    untimed ahead of every round); seconds per call. With ``cpu`` ({name: pid}), the CPU
+    seconds that pid spent over the timed calls of each name are added to ``cpu["spent"]``."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    spent: dict[str, float] = cpu.setdefault("spent", {}) if cpu is not None else {}
     for r in range(iters + 1):
         before()
         for name, fn in fns.items():
+            pid = cpu.get(name) if cpu is not None and r else None
+            c0 = _cpu_seconds(pid) if pid else 0.0
             t0 = time.perf_counter()
             fn()
             if r:
                 times[name].append(time.perf_counter() - t0)
+            if pid:
+                spent[name] = spent.get(name, 0.0) + _cpu_seconds(pid) - c0
     return times
 
 
@@ -166,9 +187,11 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
     from kvstore.keys import BlockKey
 
     rng = np.random.default_rng(cfg["seed"])
-    client = Client(cfg["store"], timeout=60)  # TLS (--tls): from $KVCACHE_TLS_*
-    assert client.transport == "tcp" and client.map_attempts == 0, \
+    transport = cfg.get("transport", "tcp")
+    client = Client(cfg["store"], timeout=60, transport=transport)  # TLS (--tls): $KVCACHE_TLS_*
+    assert client.transport == transport and client.map_attempts == 0, \
         "the client must reach the daemon over the link, with no arena mapped"
+    tcp = Client(cfg["store"], timeout=60, transport="tcp") if transport != "tcp" else None
     if cfg["tls"]:
         assert getattr(client, "tls", None) is not None, "--tls: the client has no TLS settings"
     raw = _Raw(cfg["raw"])
@@ -185,30 +208,43 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
             if raw_tls is not None:
                 fns |= {"raw_tls_put": lambda: raw_tls.put(src),
                         "raw_tls_get": lambda: raw_tls.get(dst)}
-            t = _rounds(fns, lambda: client.delete(keys), iters)
+            tkeys = [BlockKey(rng.bytes(16)) for _ in range(batch)] if tcp is not None else []  # its own
+            if tcp is not None:
+                fns |= {"tcp_put": lambda: tcp.put(tkeys, src), "tcp_get": lambda: tcp.get(tkeys, dst)}
+            cpu: dict[str, Any] | None = None
+            if cfg.get("pids"):
+                cpu = {n: cfg["pids"]["raw" if n.startswith("raw") else "store"] for n in fns}
+            t = _rounds(fns, lambda: client.delete(keys + tkeys), iters, cpu)
             assert all(client.get(keys, dst)) and np.array_equal(dst[-1], src[-1]), \
                 "wrong bytes read back"
-            client.delete(keys)
-            rows.append(_row(size, batch, t))
+            client.delete(keys + tkeys)
+            rows.append(_row(size, batch, t, cpu))
         handoff = _handoff(client, raw, rng, iters) if cfg["handoff"] else None
     finally:
         raw.close()
         if raw_tls is not None:
             raw_tls.close()
         client.close()
-    return {"results": rows, "handoff": handoff}
+        if tcp is not None:
+            tcp.close()
+    return {"results": rows, "handoff": handoff, "transport": transport}
 
 
-def _row(size: int, batch: int, t: dict[str, list[float]]) -> dict[str, Any]:
+def _row(size: int, batch: int, t: dict[str, list[float]],
+         cpu: dict[str, Any] | None = None) -> dict[str, Any]:
     nbytes = size * batch
     row: dict[str, Any] = {"block_bytes": size, "batch": batch}
     for name, ts in t.items():
         row[f"{name}_gbps"] = nbytes / min(ts) / 1e9
+        if cpu is not None:  # CPU seconds of the serving process per GB moved by its calls
+            row[f"{name}_cpu_s_per_gb"] = cpu["spent"].get(name, 0.0) / (nbytes * len(ts) / 1e9)
     for op in ("get", "put"):
         row[f"{op}_vs_raw"] = min(t[f"raw_{op}"]) / min(t[op])
         row[f"{op}_vs_raw_median"] = statistics.median(t[f"raw_{op}"]) / statistics.median(t[op])
         if f"raw_tls_{op}" in t:
             row[f"{op}_vs_raw_tls"] = min(t[f"raw_tls_{op}"]) / min(t[op])
+        if f"tcp_{op}" in t:
+            row[f"{op}_vs_tcp"] = min(t[f"tcp_{op}"]) / min(t[op])
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -283,9 +319,12 @@ def _tls(tmp: Path, store_address: str) -> tuple[list[str], dict[str, str], dict
 
 
 def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: str, seed: int,
-        handoff: bool = True, tls: bool = False) -> dict[str, Any]:
+        handoff: bool = True, tls: bool = False, transport: str = "tcp") -> dict[str, Any]:
     """Start two hosts, the daemon and raw server on host 1, the client on host 0; the
-    client's results with the link's description."""
+    client's results with the link's description. ``transport`` "ucx": the daemon serves
+    UCX and the timed client uses it, a TCP client beside it (module docstring)."""
+    if transport == "ucx" and tls:
+        raise SystemExit("store_bench --hosts: --transport ucx does not go with --tls (UCX is unencrypted)")
     from kvstore.daemon.config import parse_size
     from router.cluster.hosts import Hosts, HostsError
 
@@ -315,7 +354,7 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
                 [sys.executable, "-m", "kvstore.daemon.cli", "serve", "--host", "0.0.0.0",
                  "--port", str(STORE_PORT), "--memory", memory,
                  "--max-conn-reserve", str(min(arena, max(max_bytes, arena // 4))),
-                 "--log-level", "WARNING", *tls_args],
+                 "--log-level", "WARNING", *tls_args, *(["--ucx"] if transport == "ucx" else [])],
                 env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             ready = _readline(daemon, "the store daemon")
             assert f"address={store_host.address}:{STORE_PORT}" in ready, ready
@@ -333,7 +372,8 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
             cfg = {"store": f"{store_host.address}:{STORE_PORT}",
                    "raw": f"{store_host.address}:{RAW_PORT}",
                    "raw_tls": f"{store_host.address}:{RAW_PORT + 1}", "cases": cases, "iters": iters,
-                   "seed": seed, "handoff": handoff, "tls": tls}
+                   "seed": seed, "handoff": handoff, "tls": tls, "transport": transport,
+                   "pids": {"store": daemon.pid, "raw": raw.pid} if transport == "ucx" else None}
             client = client_host.popen([sys.executable, "-c", _ROLE, "client", json.dumps(cfg)],
                                        env={**env, **client_env}, cwd=REPO, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)

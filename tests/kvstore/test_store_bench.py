@@ -39,3 +39,21 @@ def test_peer_mooncake_without_its_environment_says_what_to_do(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode != 0 and r.stdout == ""
     assert "setup_mooncake.sh" in r.stderr and "--mooncake-python" in r.stderr
+
+
+def test_transport_ucx_goes_with_hosts(tmp_path):
+    r = subprocess.run([sys.executable, *BENCH, "--transport", "ucx", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode != 0 and r.stdout == "" and "--hosts 2" in r.stderr
+
+
+def test_a_ucx_row_has_ratios_to_tcp_and_cpu_per_gb():
+    from benchmarks.store_hosts import _row
+
+    t = {"get": [0.5, 0.25], "raw_get": [0.2, 0.2], "tcp_get": [0.5, 0.5],
+         "put": [1.0, 1.0], "raw_put": [0.5, 0.5], "tcp_put": [0.5, 0.5]}
+    cpu = {"spent": {"get": 0.1, "tcp_get": 0.4}}
+    row = _row(1 << 20, 1000, t, cpu)  # 1.048576 GB a call, two calls each
+    assert row["get_vs_raw"] == 0.8 and row["get_vs_tcp"] == 2.0 and row["put_vs_tcp"] == 0.5
+    assert row["get_cpu_s_per_gb"] == round(0.1 / (2 * 1.048576), 3)
+    assert row["tcp_get_cpu_s_per_gb"] == round(0.4 / (2 * 1.048576), 3) and row["raw_get_cpu_s_per_gb"] == 0
