@@ -5,7 +5,8 @@ the connection's socket as always. A put is RESERVE (``FLAG_UCX``) + one UCX sen
 from the caller's own memory into its reserved slot + COMMIT, which the daemon answers once
 the values arrived. A get is GET (``FLAG_UCX``), whose answer gives the sizes, then one UCX
 receive a present block, straight into the caller's buffer (a ``Sink``'s landing arrays or
-staging array: ``kvstore.net.buffers``). A failed or late transfer raises ``UcxError`` (a
+staging array: ``kvstore.net.buffers``). ``timeout`` bounds the wait for each block, as it
+bounds each socket wait. A failed or late transfer raises ``UcxError`` (a
 ``ConnectionError``): ``Client`` drops the connection, whose endpoint's close cancels what is
 still posted, and the daemon releases what the connection reserved. The client's
 ``bytes_sent``/``bytes_received`` stay the socket's: UCX bytes are not counted there. Each
@@ -48,7 +49,7 @@ def put(conn: Connection, keys, srcs: list[list[np.ndarray]], timeout: float) ->
     if not mine:
         return
     sends = link.ep.send([_whole(srcs[i]) for i in mine], [ucx.tag(link.peer_prefix, rid, i) for i in mine])
-    ucx.wait(sends, time.monotonic() + timeout)
+    ucx.wait(sends, time.monotonic() + timeout, idle=timeout)
     conn.exchange(P.Op.COMMIT, P.pack_keys([keys[i] for i in mine]), expect=0)
 
 
@@ -60,7 +61,7 @@ def _sizes(conn: Connection, keys) -> tuple[int, list[int]]:
 def _receive(conn: Connection, rid: int, at: list[int], views: list[Any], timeout: float) -> None:
     link = _link(conn)
     ucx.wait(link.ep.recv(views, [ucx.tag(link.prefix, rid, i) for i in at]),
-             time.monotonic() + timeout)
+             time.monotonic() + timeout, idle=timeout)
 
 
 def get(conn: Connection, keys, dests: list[Dest], timeout: float) -> list[bool]:

@@ -29,10 +29,9 @@ the session again when TLS holds decrypted bytes that epoll cannot see.
 Whatever the session has reserved or pinned (``owner=self``) is released by ``release()``,
 which the server calls however the session ends.
 
-UCX (``kvstore.net.ucx``, its docstring the spec): after HELLO a client may ask for a UCX
-channel (the UCX op, ``kvstore.net.ucx_channel``); its GET and RESERVE requests with
-``FLAG_UCX`` then move the blocks as UCX messages, and ``release()`` closes the channel
-(cancelling what it posted) before it frees a slot.
+UCX (``kvstore.net.ucx``, the spec): after HELLO a client may set up a ``UcxChannel``; its
+``FLAG_UCX`` GETs and RESERVEs then move blocks as UCX messages, and ``release()`` closes the
+channel (cancelling what it posted) before it frees a slot.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ def tag(prefix: int, rid: int, i: int) -> int:
     return (prefix << 32) | ((rid & 0xFFFF) << 16) | i
 
 
-def _settle(reqs: Sequence[Any], deadline: float) -> bool:
-    """Wait until every request completed (True) or ``deadline`` (monotonic) passed (False)."""
+def _settle(reqs: Sequence[Any], deadline: float, idle: float | None = None) -> bool:
+    """Wait until every request completed (True) or ``deadline`` (monotonic) passed (False);
+    with ``idle``, the deadline moves to ``idle`` seconds after each completion."""
     pause = 1e-6
     for r in reqs:
         while not r.completed:
@@ -100,13 +101,16 @@ def _settle(reqs: Sequence[Any], deadline: float) -> bool:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE)
+        if idle is not None:
+            deadline = time.monotonic() + idle
     return True
 
 
-def wait(reqs: Sequence[Any], deadline: float) -> None:
+def wait(reqs: Sequence[Any], deadline: float, idle: float | None = None) -> None:
     """Wait until every request completed, then raise ``UcxError`` for the first that
-    failed; ``UcxError`` at ``deadline`` (monotonic) if some are still in flight."""
-    if not _settle(reqs, deadline):
+    failed; ``UcxError`` at ``deadline`` (monotonic; with ``idle``, ``idle`` seconds after
+    the last completion, as a socket timeout bounds each wait) if some are still in flight."""
+    if not _settle(reqs, deadline, idle):
         raise UcxError("a UCX transfer did not complete in time")
     for r in reqs:
         try:
