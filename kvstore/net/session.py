@@ -478,7 +478,7 @@ class Session:
             raise ProtocolError("a second UCX op on one connection")
         from kvstore.net.ucx_channel import UcxChannel
 
-        self.ucx = UcxChannel(worker, P.unpack_json(meta))
+        self.ucx = UcxChannel(worker, P.unpack_json(meta), self.fd)
         self._reply(h, P.pack_json(self.ucx.hello()))
 
     def _touch(self, h: P.Header, meta: memoryview) -> None:

@@ -54,11 +54,11 @@ import os
 import random
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["available", "Worker", "Endpoint", "Link", "process_worker", "tag", "wait", "UcxError"]
 
-_MAX_PAUSE = 200e-6
+_MAX_PAUSE = 256e-6  # a power of two times the first pause (1 us): the cap is reached exactly
 _CLOSE_WAIT = 5.0  # how long a closing endpoint waits for its cancelled requests
 
 
@@ -91,13 +91,15 @@ def tag(prefix: int, rid: int, i: int) -> int:
     return (prefix << 32) | ((rid & 0xFFFF) << 16) | i
 
 
-def _settle(reqs: Sequence[Any], deadline: float, idle: float | None = None) -> bool:
-    """Wait until every request completed (True) or ``deadline`` (monotonic) passed (False);
-    with ``idle``, the deadline moves to ``idle`` seconds after each completion."""
+def _settle(reqs: Sequence[Any], deadline: float, idle: float | None = None,
+            abort: Callable[[], bool] | None = None) -> bool:
+    """Wait until every request completed (True) or ``deadline`` (monotonic) passed or
+    ``abort()`` (asked once the pause is at its longest) said so (False); with ``idle``, the
+    deadline moves to ``idle`` seconds after each completion."""
     pause = 1e-6
     for r in reqs:
         while not r.completed:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (pause == _MAX_PAUSE and abort is not None and abort()):
                 return False
             time.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE)
@@ -106,12 +108,14 @@ def _settle(reqs: Sequence[Any], deadline: float, idle: float | None = None) -> 
     return True
 
 
-def wait(reqs: Sequence[Any], deadline: float, idle: float | None = None) -> None:
+def wait(reqs: Sequence[Any], deadline: float, idle: float | None = None,
+         abort: Callable[[], bool] | None = None) -> None:
     """Wait until every request completed, then raise ``UcxError`` for the first that
     failed; ``UcxError`` at ``deadline`` (monotonic; with ``idle``, ``idle`` seconds after
-    the last completion, as a socket timeout bounds each wait) if some are still in flight."""
-    if not _settle(reqs, deadline, idle):
-        raise UcxError("a UCX transfer did not complete in time")
+    the last completion, as a socket timeout bounds each wait), or once ``abort()`` is true
+    (the daemon: its client's socket hung up), if some are still in flight."""
+    if not _settle(reqs, deadline, idle, abort):
+        raise UcxError("a UCX transfer did not complete in time, or its peer went away")
     for r in reqs:
         try:
             r.check_error()

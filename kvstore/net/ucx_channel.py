@@ -6,6 +6,7 @@ uses it for its ``FLAG_UCX`` requests:
 
 - ``send_blocks``: a GET's blocks, straight from their pinned arena slots; returns once
   every send completed, so the caller unpins after it (a block being read is never evicted).
+  Waits end early, with ``UcxError``, once the session's socket hung up.
 - ``post`` / ``take``: a RESERVE posts a receive into each reserved slot; COMMIT takes the
   keys' receives and waits for them before the store commits.
 - ``close``: closes the endpoint, which cancels whatever is still posted, and waits for it;
@@ -15,6 +16,7 @@ uses it for its ``FLAG_UCX`` requests:
 
 from __future__ import annotations
 
+import select
 import time
 from typing import Any, Sequence
 
@@ -28,7 +30,7 @@ __all__ = ["UcxChannel"]
 class UcxChannel:
     """One session's endpoint to its client's worker (module docstring)."""
 
-    def __init__(self, worker: ucx.Worker, meta: Any) -> None:
+    def __init__(self, worker: ucx.Worker, meta: Any, fd: int) -> None:
         if (not isinstance(meta, dict) or not isinstance(meta.get("address"), str)
                 or not isinstance(meta.get("prefix"), int) or not 0 < meta["prefix"] < 1 << 32):
             raise ProtocolError('UCX meta must be {"address": hex, "prefix": u32 > 0}')
@@ -41,9 +43,14 @@ class UcxChannel:
         except ValueError as e:
             raise ProtocolError(f"UCX: {e}") from None
         self._worker = worker
+        self._poll = select.poll()  # the session's socket (fd): hung up, stop waiting for it
+        self._poll.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         self.peer_prefix: int = meta["prefix"]
         self.prefix = worker.new_prefix()
         self._posted: dict[BlockKey, Any] = {}  # RESERVE's receives, by key, until COMMIT
+
+    def _hung(self) -> bool:
+        return bool(self._poll.poll(0))
 
     def hello(self) -> dict[str, Any]:
         """The UCX op's answer: this daemon's worker and the prefix of tags it receives."""
@@ -53,7 +60,7 @@ class UcxChannel:
                     deadline: float) -> None:
         """Send ``views[j]`` as block ``indices[j]`` of request ``rid``; wait for all."""
         tags = [ucx.tag(self.peer_prefix, rid, i) for i in indices]
-        ucx.wait(self.ep.send(views, tags), deadline)
+        ucx.wait(self.ep.send(views, tags), deadline, abort=self._hung)
 
     def post(self, rid: int, keys: Sequence[BlockKey], views: Sequence[Any],
              indices: Sequence[int]) -> None:
@@ -67,7 +74,7 @@ class UcxChannel:
     def take(self, keys: Sequence[BlockKey], timeout: float) -> None:
         """Wait for the posted receives of ``keys`` (those that have one)."""
         reqs = [self._posted.pop(k) for k in keys if k in self._posted]
-        ucx.wait(reqs, time.monotonic() + timeout)
+        ucx.wait(reqs, time.monotonic() + timeout, abort=self._hung)
 
     def close(self) -> bool:
         """Close the endpoint, cancelling what is posted; True when nothing is left in flight."""

@@ -71,6 +71,27 @@ def test_a_block_being_sent_is_not_evicted(start_daemon):
         assert reader.get_bytes(key) == [value.tobytes()]  # and it is still there, unpinned
 
 
+def test_a_client_that_hangs_up_mid_get_frees_its_session_at_once(ucx_daemon):
+    """Its socket closed, its endpoint left open, its receives never posted: the daemon stops
+    waiting for the rendezvous at the hang-up, not at the 30 s frame deadline, and unpins."""
+    key = rand_keys(1)
+    with Client(ucx_daemon.address, transport="tcp") as watcher:
+        c = Client(ucx_daemon.address, transport="ucx")
+        assert c.put(key, [np.ones(4 << 20, np.uint8)]) == [True]
+        conn = c._connection()
+        conn.exchange(P.Op.GET, P.pack_keys(key), expect=8, flags=P.FLAG_UCX)
+        t0 = time.monotonic()
+        conn.sock.close()
+        wait_alone(watcher, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert watcher.delete(key) == 1  # unpinned: the delete frees it at once
+        assert watcher.contains(key) == [False]
+        assert conn.ucx is not None
+        conn.ucx.close()
+        c._conn = None
+        c.close()
+
+
 def allocated(c: Client) -> int:
     return c.stats()["store"]["host"]["allocated_bytes"]
 
