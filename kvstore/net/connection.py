@@ -170,7 +170,7 @@ class Connection:
 
     def _link(self) -> None:
         """Set up the UCX data path (the UCX op, ``kvstore.net.ucx``), after HELLO."""
-        worker = ucx.process_worker()
+        worker = ucx.Worker()  # the connection's own (ucx.Link says why), closed with it
         prefix = worker.new_prefix()
         try:
             _, meta = self.exchange(P.Op.UCX, P.pack_json({"address": worker.address.hex(),
@@ -181,10 +181,10 @@ class Connection:
             self.ucx = ucx.Link(worker, bytes.fromhex(str(ans.get("address"))), prefix,
                                 int(ans.get("prefix") or 0))
         except (ValueError, TypeError) as e:
-            worker.release_prefix(prefix)
+            worker.close()
             raise ProtocolError(f"a malformed UCX answer from the daemon: {e}") from None
         except BaseException:
-            worker.release_prefix(prefix)
+            worker.close()
             raise
 
     def _attach(self, use_index: bool) -> None:

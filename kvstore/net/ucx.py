@@ -42,21 +42,23 @@ not finish in time is left reserved or pinned (a leak, logged) rather than reuse
 late write. Without TLS only: UCX moves bytes in the clear, so a TLS client never asks for it
 and ``kvstore serve`` refuses ``--ucx`` with ``--tls-cert``.
 
-Progress: one worker per process (the daemon's, or the client process's, shared by its
-connections), progressed by UCX's own thread in blocking mode (it sleeps in ``epoll`` until
+Progress: one worker in the daemon, one per connection in a client (``Link``: why), each
+progressed by UCX's own thread in blocking mode (it sleeps in ``epoll`` until
 the worker has events); callers wait for a request by polling its state with a sleep that
 backs off to ``_MAX_PAUSE``.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
-__all__ = ["available", "Worker", "Endpoint", "Link", "process_worker", "tag", "wait", "UcxError"]
+__all__ = ["available", "Worker", "Endpoint", "Link", "tag", "wait", "UcxError"]
 
 _MAX_PAUSE = 256e-6  # a power of two times the first pause (1 us): the cap is reached exactly
 _CLOSE_WAIT = 5.0  # how long a closing endpoint waits for its cancelled requests
@@ -177,13 +179,13 @@ class Worker:
         reason = available()
         if reason is not None:
             raise RuntimeError(reason)
-        self._ctx = _lib.UCXContext(feature_flags=(_lib.Feature.TAG, _lib.Feature.WAKEUP))
-        self._worker = _lib.UCXWorker(self._ctx)
+        self._worker = _lib.UCXWorker(_context())
         self._worker.start_progress_thread(polling_mode=False)
         self.address: bytes = self._worker.address.tobytes()
         self._prefixes: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
+        _live.add(self)
 
     def new_prefix(self) -> int:
         """A tag prefix no live connection of this process uses (``release_prefix``)."""
@@ -213,25 +215,34 @@ class Worker:
             self._worker.stop_progress_thread()
 
 
-_process: Worker | None = None
-_process_lock = threading.Lock()
+_ctx: Any = None
+_ctx_lock = threading.Lock()
+_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-def process_worker() -> Worker:
-    """This process's client-side worker, made on first use and stopped at exit."""
-    global _process
-    with _process_lock:
-        if _process is None:
-            import atexit
+@atexit.register
+def _close_live() -> None:
+    """Stop the progress threads of workers still open at exit (a Client never closed)."""
+    for w in list(_live):
+        w.close()
 
-            _process = Worker()
-            atexit.register(_process.close)
-        return _process
+
+def _context() -> Any:
+    """This process's UCX context (made once; every worker shares it)."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None:
+            _ctx = _lib.UCXContext(feature_flags=(_lib.Feature.TAG, _lib.Feature.WAKEUP))
+        return _ctx
 
 
 class Link:
-    """A client connection's UCX side: its endpoint to the daemon's worker, the prefix of
-    the tags it receives (``prefix``) and of those the daemon receives (``peer_prefix``)."""
+    """A client connection's UCX side: a worker of its own (``worker``, given), its endpoint
+    to the daemon's worker, the prefix of the tags it receives (``prefix``) and of those the
+    daemon receives (``peer_prefix``). A worker per connection, not one per process: the
+    daemon makes an endpoint back to the client's worker for each session, and UCX cannot
+    tell two endpoints between the same two workers apart when one of them closes (a closing
+    session's endpoint failed another session's transfers when clients shared a worker)."""
 
     def __init__(self, worker: Worker, address: bytes, prefix: int, peer_prefix: int) -> None:
         self.ep = worker.endpoint(address)
@@ -240,6 +251,7 @@ class Link:
         self._worker = worker
 
     def close(self) -> None:
-        """Close the endpoint; its cancelled receives no longer write into a caller's buffer."""
+        """Close the endpoint (its cancelled receives no longer write into a caller's
+        buffer), then stop the worker's progress thread."""
         self.ep.close()
-        self._worker.release_prefix(self.prefix)
+        self._worker.close()

@@ -223,9 +223,12 @@ def test_thread_safe_client_shared_by_threads(request, transport):
         assert results == [True] * 4
 
 
-def test_async_client(shared_daemon):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_client(request, transport):
+    address = daemon_for(request, transport).address
+
     async def main() -> None:
-        async with AsyncClient(shared_daemon.address, concurrency=2) as c:
+        async with AsyncClient(address, concurrency=2, transport=transport) as c:
             keys, vals = rand_keys(4), blocks(4, 2048)
             await c.put(keys, vals)
             got = await asyncio.gather(*(c.get_bytes([k]) for k in keys))

@@ -22,17 +22,19 @@ def rand_keys(n: int) -> list[BlockKey]:
     return [BlockKey(os.urandom(16)) for _ in range(n)]
 
 
-def ucx_meta() -> bytes:
-    w = ucx.process_worker()
-    return P.pack_json({"address": w.address.hex(), "prefix": 7})
+@pytest.fixture
+def ucx_meta():
+    w = ucx.Worker()
+    yield P.pack_json({"address": w.address.hex(), "prefix": 7})
+    w.close()
 
 
-def test_nothing_of_ucx_before_the_secret(start_daemon, tmp_path):
+def test_nothing_of_ucx_before_the_secret(start_daemon, tmp_path, ucx_meta):
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
     d = start_daemon("--ucx", "--cluster-secret-file", str(secret))
     s = raw(d, authed=False)  # the UCX op first: refused, and the connection closed
-    meta = ucx_meta()
+    meta = ucx_meta
     s.sendall(P.pack_header(P.Op.UCX, 0, 1, len(meta)) + meta)
     h, m = read_frame(s)
     assert h.flags & P.FLAG_ERROR and P.error_from_meta(m).__class__.__name__ == "AuthError"
@@ -90,6 +92,37 @@ def test_a_client_that_hangs_up_mid_get_frees_its_session_at_once(ucx_daemon):
         conn.ucx.close()
         c._conn = None
         c.close()
+
+
+def test_ucx_clients_on_threads_each_closing_leaves_the_others_alone(ucx_daemon):
+    """Four clients on four threads (four serving threads on one worker in the daemon) put and
+    get at once, every byte right, while each closes when done (with one client worker for
+    the process, a closing session's endpoint failed the others' transfers: ucx.Link)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            with Client(ucx_daemon.address, transport="ucx") as c:
+                for _ in range(3):
+                    keys = rand_keys(32)
+                    vals = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in keys]
+                    assert c.put(keys, vals) == [True] * 32
+                    bufs = [np.empty(64 << 10, np.uint8) for _ in keys]
+                    assert c.get(keys, bufs) == [True] * 32
+                    assert all(np.array_equal(a, b) for a, b in zip(bufs, vals))
+                    assert c.delete(keys) == 32
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
 
 
 def allocated(c: Client) -> int:
