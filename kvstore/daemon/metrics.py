@@ -4,8 +4,9 @@ Exported (all prefixed ``kvstore_``):
 
 - ``op_seconds{op}``: histogram of request latency per protocol op, measured in the daemon
   from a request's meta being read to its response being sent.
-- ``bytes_total{direction="in"|"out", path="tcp"|"shm"}``: KV bytes put into (in) and got
-  out of (out) the store; on the shared-memory path counted at COMMIT and PIN.
+- ``bytes_total{direction="in"|"out", path="tcp"|"shm"|"ucx"}``: KV bytes put into (in) and
+  got out of (out) the store; on the shared-memory path counted at COMMIT and PIN, on UCX
+  (``kvstore.net.ucx``) at COMMIT and once a GET's sends completed.
 - ``errors_total{code}``: error answers per error code.
 - From ``BlockStore.stats()`` at scrape time, per tier (``tier="host"|"ssd"|"gpu"``):
   counters ``hits_total``, ``misses_total``, ``bytes_in_total``, ``bytes_out_total``,

@@ -12,6 +12,7 @@ import pytest
 from kvstore import Client, ProtocolError, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P, ucx
+from kvstore.net.buffers import Sink
 from tests.kvstore.test_bad_input import closed, raw, read_frame, wait_alone
 
 pytestmark = [pytest.mark.integration,
@@ -123,6 +124,36 @@ def test_ucx_clients_on_threads_each_closing_leaves_the_others_alone(ucx_daemon)
     for t in threads:
         t.join(60)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+class OneLanding(Sink):
+    """Lands a block in one array of its own (or, asked for no landing, consumes staging)."""
+
+    def __init__(self, size: int, land: bool) -> None:
+        super().__init__(np.zeros(size, np.uint8))
+        self.target, self.land, self.got = np.zeros(size, np.uint8), land, b""
+
+    def landing(self, size: int):
+        return [self.target[:size]] if self.land else None
+
+    def landed(self, size: int) -> None:
+        self.got = b"landed:" + self.target[:size].tobytes()
+
+    def consume(self, block) -> None:
+        self.got = b"consumed:" + bytes(block)
+
+
+def test_sinks_over_ucx_and_the_bytes_counted(ucx_daemon):
+    keys, vals = rand_keys(2), [os.urandom(3000), os.urandom(20000)]
+    with Client(ucx_daemon.address, transport="ucx") as c:
+        before = c.stats()["server"]
+        assert c.put(keys, vals) == [True, True]
+        sinks = [OneLanding(20000, land=True), OneLanding(20000, land=False)]
+        assert c.get(keys, sinks) == [True, True]
+        assert sinks[0].got == b"landed:" + vals[0] and sinks[1].got == b"consumed:" + vals[1]
+        assert c.bytes_sent + c.bytes_received < 4096  # the values never touched the socket
+        assert before["ucx"] is True
+        assert c.delete(keys) == 2
 
 
 def allocated(c: Client) -> int:
