@@ -36,6 +36,12 @@ Requests with ``FLAG_UCX`` (bit 3), on a connection set up as above only:
   their receives before it commits. An ``ABORT`` of keys whose receives are posted is a
   PROTOCOL error: the client drops the connection instead, and its end closes the endpoint.
 
+Limits of what the daemon can check: ucxx does not report a tagged receive's length, so a
+value shorter than its RESERVE declared lands short and the rest of its slot is undefined (a
+longer one fails the COMMIT: truncated); the connector's codec check on read makes such a
+block a miss. Messages no receive asked for wait in UCX's unexpected queue: only peers that
+proved the cluster secret ever learn the daemon's worker address.
+
 When a session ends, the daemon closes its endpoint, which cancels every receive and send
 still posted, and waits for them to finish before it frees a slot; a slot whose request did
 not finish in time is left reserved or pinned (a leak, logged) rather than reused under a
