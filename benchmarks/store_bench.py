@@ -49,7 +49,9 @@ Target: batched gets of blocks >= 360 KiB reach >= 80% of the raw socket. No plo
 ``--tls`` the daemon and client speak TLS, against the plain raw socket and a TLS one. With
 ``--transport ucx`` the daemon serves UCX and the client moves the blocks over it, against our
 TCP path and the raw socket on the same link, with the serving process's CPU-seconds per GB
-beside each (``store_hosts``' docstring).
+beside each (``store_hosts``' docstring). Without ``--hosts``, ``--transport ucx`` adds a UCX
+client on this host (UCX over loopback) to every case: ``ucx_get_gbps``, ``ucx_put_gbps`` and
+their ratios to our TCP path and the raw socket.
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ MOONCAKE_DRIVER = REPO / "benchmarks" / "peers" / "mooncake_driver.py"
 MOONCAKE_PYTHON_DEFAULT = Path.home() / ".cache" / "kvcache-store" / "mooncake-venv" / "bin" / "python"
 
 
-def start_daemon(memory: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(memory: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     try:
-        return start_local(memory, popen=lifecycle.popen, cwd=REPO)
+        return start_local(memory, extra=extra, popen=lifecycle.popen, cwd=REPO)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
 
@@ -225,7 +227,8 @@ def latencies(fns: dict, n: int, blocks: int = 10) -> dict[str, tuple[float, flo
 
 
 def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, raw: RawSocket,
-             mooncake: Mooncake | None, seed: int, lat_iters: int = 0) -> dict:
+             mooncake: Mooncake | None, seed: int, lat_iters: int = 0,
+             ucx: Client | None = None) -> dict:
     nbytes = size * batch
     private = rng.integers(0, 256, nbytes, dtype=np.uint8)
     shared = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED), np.uint8)
@@ -234,8 +237,8 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
     src_private = [private[i * size: (i + 1) * size] for i in range(batch)]
     dst = [np.ones(size, np.uint8) for _ in range(batch)]  # pre-touched pages
     row: dict = {"block_bytes": size, "batch": batch}
-    keys = {name: [BlockKey(rng.bytes(16)) for _ in range(batch)] for name in ("shm", "tcp")}
-    clients = {"shm": shm, "tcp": tcp}
+    clients = {"shm": shm, "tcp": tcp, **({"ucx": ucx} if ucx is not None else {})}
+    keys = {name: [BlockKey(rng.bytes(16)) for _ in range(batch)] for name in clients}
     for name, client in clients.items():
         put_times = []
         for _ in range(iters + 1):
@@ -252,6 +255,7 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
         "shm_get": lambda: shm.get(keys["shm"], dst),
         "raw_socket": lambda: raw.get(dst),
         "tcp_get": lambda: tcp.get(keys["tcp"], dst),
+        **({"ucx_get": lambda: ucx.get(keys["ucx"], dst)} if ucx is not None else {}),
     }, iters)
     if batch == 1 and lat_iters:
         lat_iters = lat_iters if size <= MiB else max(20, lat_iters // 50)  # 16 MiB: ms each
@@ -265,6 +269,10 @@ def run_case(size: int, batch: int, iters: int, rng, shm: Client, tcp: Client, r
         row[f"{name}_gbps"] = nbytes / s / 1e9
     row["shm_get_vs_memcpy"] = row["shm_get_gbps"] / row["memcpy_gbps"]
     row["tcp_get_vs_raw_socket"] = row["tcp_get_gbps"] / row["raw_socket_gbps"]
+    if ucx is not None:  # --transport ucx: UCX (over loopback here) against our TCP path
+        row["ucx_get_vs_tcp"] = row["ucx_get_gbps"] / row["tcp_get_gbps"]
+        row["ucx_put_vs_tcp"] = row["ucx_put_gbps"] / row["tcp_put_gbps"]
+        row["ucx_get_vs_raw_socket"] = row["ucx_get_gbps"] / row["raw_socket_gbps"]
     if mooncake is not None:
         mc = mooncake.case(size, batch, iters, seed)
         row["mooncake_put_gbps"], row["mooncake_get_gbps"] = mc["put_gbps"], mc["get_gbps"]
@@ -306,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --hosts: the daemon and client speak TLS (the raw socket stays "
                          "plain), so the ratio is TLS's cost on the link")
     ap.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
-                    help="with --hosts: the client's path to the daemon; ucx also times our TCP "
-                         "path in the same rounds (default tcp)")
+                    help="ucx: the daemon serves UCX and a UCX client is timed beside our TCP "
+                         "path and the raw socket (on one host over loopback; with --hosts 2 "
+                         "as the client across the link); default tcp")
     ap.add_argument("--no-handoff", action="store_true",
                     help="with --hosts: skip the 2k-token prompt's KV handoff")
     return ap
@@ -326,24 +335,27 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.hosts:
         return _main_hosts(args, iters, cap)
-    if args.tls or args.no_handoff or args.transport != "tcp":
-        raise SystemExit("--tls, --no-handoff and --transport go with --hosts 2")
+    if args.tls or args.no_handoff:
+        raise SystemExit("--tls and --no-handoff go with --hosts 2")
     mooncake = None
     if "mooncake" in args.peer:
         mooncake = Mooncake(Path(args.mooncake_python), parse_size(args.memory), out / "mooncake-logs")
-    proc, address = start_daemon(args.memory)
+    proc, address = start_daemon(args.memory, ("--ucx",) if args.transport == "ucx" else ())
     cases = [(s, max(1, min(b, cap // s))) for s in SIZES for b in BATCHES]
     raw = RawSocket(max(s * b for s, b in cases))
     rows = []
     try:
         shm = Client(address)
         tcp = Client(address, transport="tcp")
+        ucx = Client(address, transport="ucx") if args.transport == "ucx" else None
         assert shm.transport == "shm", "the benchmark must run on the daemon's host"
         for size, batch in tqdm(cases, desc="store_bench", file=sys.stderr):
             rows.append(run_case(size, batch, iters, rng, shm, tcp, raw, mooncake, args.seed,
-                                 lat_iters))
+                                 lat_iters, ucx))
         shm.close()
         tcp.close()
+        if ucx is not None:
+            ucx.close()
     finally:
         raw.close()
         proc.terminate()

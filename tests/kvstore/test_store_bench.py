@@ -41,8 +41,8 @@ def test_peer_mooncake_without_its_environment_says_what_to_do(tmp_path):
     assert "setup_mooncake.sh" in r.stderr and "--mooncake-python" in r.stderr
 
 
-def test_transport_ucx_goes_with_hosts(tmp_path):
-    r = subprocess.run([sys.executable, *BENCH, "--transport", "ucx", "--out", str(tmp_path)],
+def test_tls_goes_with_hosts_and_ucx_without_tls(tmp_path):
+    r = subprocess.run([sys.executable, *BENCH, "--transport", "ucx", "--tls", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode != 0 and r.stdout == "" and "--hosts 2" in r.stderr
 
