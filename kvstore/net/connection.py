@@ -28,6 +28,7 @@ daemon does not trust, or one of the daemon that this side does not, is an ``Aut
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -41,9 +42,11 @@ import numpy as np
 from kvstore.net import protocol as P, ucx
 from kvstore.node.arena import Arena
 from kvstore.node.shared_index import IndexReader
-from kvstore.errors import AuthError, ProtocolError, StoreUnavailable
+from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreUnavailable
 
 __all__ = ["Connection", "Traffic", "parse_address", "TOUCH_KEYS", "TOUCH_DELAY_S"]
+
+log = logging.getLogger(__name__)
 
 TOUCH_KEYS = 512      # distinct keys read through the index before a TOUCH goes out ...
 TOUCH_DELAY_S = 0.05  # ... or this long after the first of them, at the next get (a TOUCH
@@ -163,6 +166,16 @@ class Connection:
                              and tls is None and ucx.available() is None):
             try:
                 conn._link()
+            except Exception as e:
+                conn.close()
+                if want == "auto" and not isinstance(e, (OSError, EOFError)):  # UCX would not start
+                    log.warning("UCX with the kvstore daemon at %s failed (%s); using TCP", address, e)
+                    return cls.open(address, token=token, timeout=timeout, want="tcp",
+                                    traffic=traffic, tls=tls, use_index=use_index)
+                if isinstance(e, KVStoreError):
+                    raise
+                raise StoreUnavailable(f"cannot set up UCX with the kvstore daemon at {address} "
+                                       f"({e!r})") from None
             except BaseException:
                 conn.close()
                 raise

@@ -238,6 +238,23 @@ def test_the_transport_each_side_picks(ucx_daemon, shared_daemon):
         Client(ucx_daemon.address, transport="ucx", tls=_fake_tls())
 
 
+def test_auto_takes_ucx_off_the_arena_and_tcp_when_ucx_will_not_start(ucx_daemon, monkeypatch):
+    from kvstore.net.connection import Connection
+
+    monkeypatch.setattr(Connection, "_attach", lambda self, use_index: None)  # as on another host
+    with Client(ucx_daemon.address) as c:
+        assert c.transport == "ucx" and c.get_bytes(rand_keys(1)) == [None]
+
+    def broken() -> None:
+        raise RuntimeError("no UCX devices (test)")
+
+    monkeypatch.setattr(ucx, "Worker", broken)
+    with Client(ucx_daemon.address) as c:  # auto: falls back to TCP, with a warning
+        assert c.transport == "tcp" and c.get_bytes(rand_keys(1)) == [None]
+    with pytest.raises(StoreUnavailable, match="cannot set up UCX"):
+        Client(ucx_daemon.address, transport="ucx")  # forced: says why
+
+
 def _fake_tls():
     from kvstore.tls import TLSConfig
 
