@@ -20,7 +20,7 @@ Setting up (after HELLO succeeded; before it the daemon answers nothing but HELL
   crosses before the peer proved the cluster secret, nor to a daemon that refused it.
 
 Tags (u64): ``prefix << 32 | (request id & 0xffff) << 16 | i``, where ``prefix`` is the
-*receiver's* (unique per connection within the receiving process) and ``i`` the block's
+*receiver's* (never reused by the receiving worker) and ``i`` the block's
 index among the request's keys (< ``MAX_BATCH``). A receiver posts a receive for exactly the
 tags it expects, so unsolicited tags are never matched.
 
@@ -188,23 +188,18 @@ class Worker:
         self._worker = _lib.UCXWorker(_context())
         self._worker.start_progress_thread(polling_mode=False)
         self.address: bytes = self._worker.address.tobytes()
-        self._prefixes: set[int] = set()
+        self._next_prefix = random.getrandbits(32)
         self._lock = threading.Lock()
         self._closed = False
         _live.add(self)
 
     def new_prefix(self) -> int:
-        """A tag prefix no live connection of this process uses (``release_prefix``)."""
+        """A tag prefix this worker has not given out before (a counter from a random start,
+        never 0, so a message left over from a closed session matches no later one)."""
         with self._lock:
-            while True:
-                p = random.getrandbits(32)
-                if p and p not in self._prefixes:
-                    self._prefixes.add(p)
-                    return p
-
-    def release_prefix(self, prefix: int) -> None:
-        with self._lock:
-            self._prefixes.discard(prefix)
+            p = self._next_prefix or 1
+            self._next_prefix = (p + 1) & 0xFFFFFFFF
+            return p
 
     def endpoint(self, address: bytes) -> Endpoint:
         """An endpoint to the worker at ``address`` (``ValueError`` if it is not one)."""

@@ -79,6 +79,4 @@ class UcxChannel:
     def close(self) -> bool:
         """Close the endpoint, cancelling what is posted; True when nothing is left in flight."""
         self._posted.clear()
-        done = self.ep.close()
-        self._worker.release_prefix(self.prefix)
-        return done
+        return self.ep.close()
