@@ -6,7 +6,7 @@ is the session's life. Only block values move over UCX, as one tagged message a 
 from where the block lies into where it goes: a GET's blocks from their pinned arena slots
 into the caller's buffers, a PUT's values into their reserved arena slots. UCX's rendezvous
 protocol moves a large tagged message with no intermediate copy (RDMA where the hardware
-has it; TCP, shared memory or cma on this machine). So every guarantee of the TCP path holds
+has it; on this machine UCX runs over TCP: docs/architecture.md, "Transports"). So every guarantee of the TCP path holds
 unchanged: authentication, typed errors, bad input closing one connection, and whatever a
 connection reserved or pinned dying with its socket.
 
@@ -66,7 +66,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["available", "Worker", "Endpoint", "Link", "tag", "wait", "UcxError"]
 
-_MAX_PAUSE = 256e-6  # a power of two times the first pause (1 us): the cap is reached exactly
+_MAX_PAUSE = 256e-6  # the longest sleep between two looks at a request (the first: 1 us)
 _CLOSE_WAIT = 5.0  # how long a closing endpoint waits for its cancelled requests
 
 
@@ -107,7 +107,7 @@ def _settle(reqs: Sequence[Any], deadline: float, idle: float | None = None,
     pause = 1e-6
     for r in reqs:
         while not r.completed:
-            if time.monotonic() > deadline or (pause == _MAX_PAUSE and abort is not None and abort()):
+            if time.monotonic() > deadline or (pause >= _MAX_PAUSE and abort is not None and abort()):
                 return False
             time.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE)
