@@ -50,12 +50,19 @@ def cluster_name() -> str:
     return f"c{uuid.uuid4().hex[:8]}"
 
 
-def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
+@pytest.mark.parametrize("transport", ["auto", "ucx"])  # auto: shared memory, on one host
+def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name, transport):
+    if transport == "ucx":
+        from kvstore.net import ucx
+
+        if ucx.available() is not None:
+            pytest.skip(ucx.available())
+    extra = ["--ucx"] if transport == "ucx" else []
     daemons = [start_daemon("--etcd", etcd, "--cluster", cluster_name,
-                            "--registration-ttl", str(DAEMON_TTL)) for _ in range(3)]
+                            "--registration-ttl", str(DAEMON_TTL), *extra) for _ in range(3)]
     by_id = {d.node_id: d for d in daemons}
     # R is 1 (the cluster sets none); R = 2 and its repairs: tests/kvstore/test_replication.py
-    with ClusterClient(etcd, cluster_name) as cc:
+    with ClusterClient(etcd, cluster_name, transport=transport) as cc:
         assert cc.wait_for_nodes(3, 10.0) and cc.replicas == 1
         assert cc.nodes == {d.node_id: d.address for d in daemons}
 
@@ -83,6 +90,8 @@ def test_placement_failover_and_expiry(etcd, start_daemon, cluster_name):
         assert cc.contains(keys[-5:]) == [False] * 5
         keys, values = keys[:-5], values[:-5]
         assert cc.stats()["nodes"].keys() == by_id.keys()
+        assert {cc.node_client(n).transport for n in by_id} == {  # type: ignore[union-attr]
+            "shm" if transport == "auto" else transport}
 
         # One ClusterClient shared by several threads.
         def worker(t: int) -> bool:
