@@ -296,3 +296,19 @@ def test_a_ucx_daemon_advertises_it_and_a_cluster_client_uses_it(start_daemon, e
     with ClusterClient(etcd, cluster) as cc:  # auto, one host: shared memory with both
         assert cc.wait_for_nodes(2, 10)
         assert {cc.node_client(n).transport for n in got} == {"shm"}  # type: ignore[union-attr]
+
+
+def test_serve_flags(monkeypatch, capsys):
+    from kvstore.daemon.cli import build_parser
+    from kvstore.daemon.config import ServerConfig
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "--ucx" in capsys.readouterr().out
+    assert build_parser().parse_args(["serve", "--ucx"]).ucx is True
+    with pytest.raises(ValueError, match="unencrypted"):
+        ServerConfig(memory_bytes=1 << 20, ucx=True, tls=_fake_tls())
+    monkeypatch.setattr(ucx, "available", lambda: "ucxx is not importable (test)")
+    with pytest.raises(ValueError, match="--ucx: ucxx is not importable"):
+        ServerConfig(memory_bytes=1 << 20, ucx=True)
+    assert ServerConfig(memory_bytes=1 << 20).ucx is False  # off by default
