@@ -2,7 +2,8 @@
 
 - ``kvstore nodes [--json]``: the registered store nodes (from etcd) with address, state
   (``up``, ``draining``, ``unreachable``: asked for its stats over the wire), tiers and
-  occupancy per tier, and the cluster's R. A table by default.
+  occupancy per tier, and the cluster's R. A table by default; ``--json`` also has each
+  node's ``transports`` (``"ucx"`` among them under ``kvstore serve --ucx``).
 - ``kvstore drain NODE``: asks NODE to drain (``kvstore.daemon.drain``: it stops taking new
   blocks, hands what it holds to the new owners, deregisters and exits) and waits, printing
   progress, until it has left: exit 0; 1 if the drain failed or ``--timeout`` passed (the
@@ -142,6 +143,7 @@ def node_table(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"node_id": node, "address": entry["address"], "state": state,
                                "host_id": value.get("host_id"),
                                "tiers": value.get("tiers", []),
+                               "transports": value.get("transports", ["tcp", "shm"]),
                                "capacity": value.get("capacity", {})}
         if "error" in entry:
             row["error"] = entry["error"]

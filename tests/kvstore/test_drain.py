@@ -113,6 +113,7 @@ def test_nodes_lists_the_cluster_and_config_sets_replicas(etcd, start_daemon, na
     assert rows.keys() == {a.node_id, b.node_id, c.node_id}
     assert rows[a.node_id]["address"] == a.address and rows[a.node_id]["state"] == "up"
     assert rows[a.node_id]["tiers"] == ["host", "ssd"] and rows[b.node_id]["tiers"] == ["host"]
+    assert rows[a.node_id]["transports"] == ["tcp", "shm"]  # no --ucx
     host = rows[b.node_id]["occupancy"]["host"]
     assert host["capacity_bytes"] == 64 << 20
     assert sum(r["occupancy"]["host"]["blocks"] for r in rows.values()) >= 5
