@@ -57,3 +57,42 @@ def test_a_ucx_row_has_ratios_to_tcp_and_cpu_per_gb():
     assert row["get_vs_raw"] == 0.8 and row["get_vs_tcp"] == 2.0 and row["put_vs_tcp"] == 0.5
     assert row["get_cpu_s_per_gb"] == round(0.1 / (2 * 1.048576), 3)
     assert row["tcp_get_cpu_s_per_gb"] == round(0.4 / (2 * 1.048576), 3) and row["raw_get_cpu_s_per_gb"] == 0
+
+
+def test_a_case_times_a_ucx_client_beside_tcp(ucx_daemon):
+    """One tiny case of the single-host run with --transport ucx's client (not a measurement)."""
+    import numpy as np
+
+    from benchmarks.store_bench import RawSocket, run_case
+    from kvstore import Client
+
+    raw = RawSocket(64 << 10)
+    try:
+        with Client(ucx_daemon.address) as shm, Client(ucx_daemon.address, transport="tcp") as tcp, \
+                Client(ucx_daemon.address, transport="ucx") as ucx:
+            row = run_case(4096, 4, 1, np.random.default_rng(0), shm, tcp, raw, None, 0, 0, ucx)
+    finally:
+        raw.close()
+    assert row["ucx_get_gbps"] > 0 and row["ucx_put_gbps"] > 0
+    assert row["ucx_get_vs_tcp"] > 0 and row["ucx_get_vs_raw_socket"] > 0 and row["ucx_put_vs_tcp"] > 0
+
+
+def test_the_hosts_client_with_ucx_reports_tcp_ratios_and_cpu(ucx_daemon, free_port):
+    """store_bench --hosts 2 --transport ucx's client role, run here on one host against a
+    UCX daemon and a raw server (one tiny case, not a measurement)."""
+    from benchmarks import store_hosts
+
+    port = free_port()
+    raw = subprocess.Popen([sys.executable, "-c", store_hosts._ROLE, "raw-server", str(port),
+                            str(64 << 10)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert raw.stdout is not None and raw.stdout.readline().strip() == "listening"
+        got = store_hosts._client({
+            "store": ucx_daemon.address, "raw": f"127.0.0.1:{port}", "raw_tls": "", "cases": [[4096, 2]],
+            "iters": 1, "seed": 0, "handoff": False, "tls": False, "transport": "ucx",
+            "pids": {"store": ucx_daemon.proc.pid, "raw": raw.pid}})
+    finally:
+        raw.wait(10)
+    (row,) = got["results"]
+    assert got["transport"] == "ucx" and row["get_vs_tcp"] > 0 and row["put_vs_tcp"] > 0
+    assert all(row[f"{n}_cpu_s_per_gb"] >= 0 for n in ("get", "tcp_get", "raw_get", "put"))
