@@ -2,7 +2,8 @@
 
 - ``kvrouter serve --etcd URL --cluster C --port 8000 --mode disaggregated|colocated|auto
   --policy kv-aware|least-loaded|round-robin --auto-threshold N --api-key KEY --model DIR``:
-  the router alone, discovering workers in etcd. The API key may come from the
+  the router alone, discovering workers in etcd; ``--balance-abs N --balance-rel X``:
+  colocated mode's load guard (``router.placement.decode.Balance``). The API key may come from the
   ``KVROUTER_API_KEY`` environment variable instead (keeps it out of ``ps``). The cluster
   secret its calls to workers and to the store carry: ``--cluster-secret-file``,
   ``--cluster-secret``, ``$KVCACHE_CLUSTER_SECRET`` or ``$KVCACHE_CLUSTER_SECRET_FILE``
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from router.cluster.autoscaler import Autoscaler, AutoscaleSpec
     from router.cluster.launcher import ClusterSpec, LocalCluster
     from router.cluster.supervisor import Supervisor
+    from router.placement.decode import Balance
     from router.scaling.policy import ScalingConfig
 
 __all__ = ["main", "build_parser"]
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auto-threshold", type=int, default=d.auto_threshold_tokens,
                    help="auto mode: uncached prompt tokens below which the decode worker prefills "
                         f"(default {d.auto_threshold_tokens})")
+    _add_balance_flags(s)
     s.add_argument("--model", default="default",
                    help="checkpoint directory whose tokenizer the router uses, or 'default'")
     s.add_argument("--served-model-name", default=None,
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--auto-threshold", type=int, default=None,
                    help="the router's --auto-threshold (default: its default, "
                         f"{d.auto_threshold_tokens})")
+    _add_balance_flags(u)
     u.add_argument("--model", default="default", help="'default' or a checkpoint directory")
     u.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
     u.add_argument("--cluster", default="kvlocal", help="cluster name in etcd (default kvlocal)")
@@ -204,9 +208,31 @@ def _scaling_config(args: argparse.Namespace) -> "ScalingConfig":
 
 
 def _scaling_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The ``--scale-*`` flags given to ``up``, for its router's command line."""
-    return tuple(x for flag, name, _h in _SCALING_FLAGS if getattr(args, name) is not None
-                 for x in (flag, repr(getattr(args, name))))
+    """The ``--scale-*`` and ``--balance-*`` flags given to ``up``, for its router's command line."""
+    balance = tuple(x for flag, name in (("--balance-abs", "balance_abs"), ("--balance-rel", "balance_rel"))
+                    if getattr(args, name) is not None for x in (flag, str(getattr(args, name))))
+    return balance + tuple(x for flag, name, _h in _SCALING_FLAGS if getattr(args, name) is not None
+                           for x in (flag, repr(getattr(args, name))))
+
+
+def _add_balance_flags(p: argparse.ArgumentParser) -> None:
+    from router.placement.decode import Balance
+
+    d = Balance()
+    p.add_argument("--balance-abs", type=int, default=None, metavar="N",
+                   help="colocated mode: leave out workers with more than N queued+running requests "
+                        f"above the least loaded one (and past --balance-rel times it; default {d.abs_requests})")
+    p.add_argument("--balance-rel", type=float, default=None, metavar="X",
+                   help="colocated mode: ... and more than X times the least loaded one's load "
+                        f"(default {d.rel:g})")
+
+
+def _balance(args: argparse.Namespace) -> "Balance":
+    from router.placement.decode import Balance
+
+    d = Balance()
+    return Balance(d.abs_requests if args.balance_abs is None else args.balance_abs,
+                   d.rel if args.balance_rel is None else args.balance_rel)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,6 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
             model_dir=str(model_dir), served_model_name=args.served_model_name, host=args.host,
             port=args.port, etcd=args.etcd, cluster=args.cluster, store=args.store,
             mode=args.mode, policy=args.policy, auto_threshold_tokens=args.auto_threshold,
+            balance=_balance(args),
             max_inflight_requests=args.max_inflight, api_key=args.api_key or None,
             request_log=args.request_log, max_body_bytes=args.max_body_bytes,
             cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
@@ -308,6 +335,7 @@ def _up(args: argparse.Namespace) -> int:
         mode = args.mode or ("auto" if args.autoscale else "disaggregated")
         autoscale = _autoscale_spec(args, mode)
         _scaling_config(args)   # the --scale-* flags are checked here, not in the router's log
+        _balance(args)          # and so are the --balance-* ones
         spec = ClusterSpec(
             port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
             mode=mode, policy=args.policy, auto_threshold=args.auto_threshold,

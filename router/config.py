@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.placement.decode import Balance
 from router.placement.prefill import PREFILL_POLICIES, PrefillPolicyName
 from router.scaling.policy import ScalingConfig
 from router.workers.fit import RateConfig
@@ -28,7 +29,8 @@ class RouterConfig:
     name the workers register). ``etcd``/``cluster``: where workers are discovered.
     ``mode``: ``disaggregated`` (prefill pool → store → decode pool), ``colocated`` (one
     worker does both; the rollback path) or ``auto`` (requests whose uncached part is shorter
-    than ``auto_threshold_tokens`` prefill on their decode worker). ``max_inflight_requests``:
+    than ``auto_threshold_tokens`` prefill on their decode worker). ``balance``: colocated mode's
+    load guard (``router.placement.decode.Balance``). ``max_inflight_requests``:
     admission control; past it requests get 429. ``api_key``: when set, every path but
     ``/health`` and ``/metrics`` requires ``Authorization: Bearer <api_key>`` (the public
     endpoint's key). ``cluster_secret``: the cluster's internal secret (``kvstore.secret``),
@@ -49,6 +51,7 @@ class RouterConfig:
     mode: Mode = "disaggregated"
     policy: PrefillPolicyName = "kv-aware"
     auto_threshold_tokens: int = 256
+    balance: Balance = field(default_factory=Balance)
     max_inflight_requests: int = 512
     api_key: str | None = None
     request_log: str | None = None        # JSONL path for per-request records

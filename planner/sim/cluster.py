@@ -6,8 +6,9 @@ Events are ``(time, seq, fn)`` on a heap; nothing sleeps. One :class:`SimCluster
 (``router.placement.prefill.PrefillPolicy``), and the router's decisions made by the router's
 own functions, in the order ``router.placement.orchestrator`` makes them:
 
-- ``colocated``: of the workers with room (``router.placement.decode.with_room``), the one the
-  prefill policy prefers runs the whole request (phase ``full``);
+- ``colocated``: of the workers with room (``router.placement.decode.with_room``) and not
+  loaded far past the least loaded (``Balance``), the one the prefill policy prefers runs the
+  whole request (phase ``full``);
 - ``auto``: the would-be decode worker (``choose_decode``) prefills itself when its uncached
   part is shorter than ``auto_threshold`` (``prefer_local``), else as disaggregated;
 - ``disaggregated``: the policy's prefill worker runs phase ``prefill`` (one token, held until
@@ -154,7 +155,7 @@ class SimCluster:
         needs_store = self.policy.name == "kv-aware" or cfg.mode == "auto"
         store_blocks = self.store.peek_prefix_len(c.keys) if needs_store else 0
         if cfg.mode == "colocated":
-            fitting = with_room(decode, n, max_tokens)
+            fitting = cfg.balance.within(with_room(decode, n, max_tokens))
             chosen = self.policy.choose([w.load for w in fitting], c.keys, n, store_blocks)
             if chosen is None:
                 return self._fail(c, f"no worker's KV cache can hold {n} + {max_tokens} tokens")

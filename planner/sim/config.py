@@ -4,7 +4,8 @@
 router's mode and prefill policy, each pool's engine settings (:class:`WorkerSpec`) and the
 store's memory. :func:`from_up_flags` reads the flags a ``kvrouter up`` command line takes
 (the ones ``benchmarks.compare`` uses: ``--mode``, ``--prefill``, ``--decode``,
-``--threads-per-worker``, ``--store-memory``, ``--policy``, ``--auto-threshold`` and the
+``--threads-per-worker``, ``--store-memory``, ``--policy``, ``--auto-threshold``,
+``--balance-abs``, ``--balance-rel`` and the
 engine's own through ``--worker-arg=``: ``--num-blocks``, ``--max-num-batched-tokens``,
 ``--max-num-seqs``, ``--no-chunked-prefill``, ``--block-size``, ``--max-model-len``), and
 :meth:`ClusterConfig.up_command` writes one back.
@@ -18,6 +19,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from planner.sim.worker import WorkerSpec
+from router.placement.decode import Balance
 
 __all__ = ["ClusterConfig", "from_up_flags", "parse_bytes"]
 
@@ -46,6 +48,7 @@ class ClusterConfig:
     colocated_spec: WorkerSpec = field(default_factory=lambda: WorkerSpec(role="colocated"))
     policy: str = "kv-aware"
     auto_threshold: int = 256
+    balance: Balance = field(default_factory=Balance)  # colocated mode's load guard
     store_memory_bytes: int = 512 << 20
     salt_per_request: bool = False  # every request its own cache_salt: no prefix reuse
     hop_s: float = 0.0  # one router -> worker (or worker -> router) message's latency
@@ -91,7 +94,8 @@ class ClusterConfig:
             if not s.enable_chunked_prefill:
                 flags.append("--no-chunked-prefill")
             return (f"{self.colocated} x `kvengine serve --role colocated --model {model} --etcd URL "
-                    f"{' '.join(flags)}`, then `kvrouter serve --mode colocated --etcd URL --policy {self.policy}`")
+                    f"{' '.join(flags)}`, then `kvrouter serve --mode colocated --etcd URL --policy {self.policy}"
+                    f"{''.join(' ' + f for f in self._balance_flags())}`")
         argv = ["kvrouter", "up", "--model", model, "--port", str(port), "--mode", self.mode]
         spec = (self.colocated_spec if self.mode == "colocated"
                 else self.prefill_spec if self.prefill else self.decode_spec)
@@ -101,6 +105,8 @@ class ClusterConfig:
                  "--store-memory", f"{self.store_memory_bytes >> 20}M"]
         if self.mode == "auto":
             argv += ["--auto-threshold", str(self.auto_threshold)]
+        if self.mode == "colocated":
+            argv += self._balance_flags()
         d = WorkerSpec()
         argv.append(f"--worker-arg=--num-blocks={spec.num_blocks}")
         if spec.max_num_batched_tokens != d.max_num_batched_tokens:
@@ -112,6 +118,11 @@ class ClusterConfig:
         if self.mode != "colocated" and self.decode_spec.save_all:
             argv.append("--worker-arg=--save-all")
         return shlex.join(argv)
+
+    def _balance_flags(self) -> list[str]:
+        d, b = Balance(), self.balance
+        return ([f"--balance-abs={b.abs_requests}"] if b.abs_requests != d.abs_requests else []) + \
+               ([f"--balance-rel={b.rel:g}"] if b.rel != d.rel else [])
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -136,6 +147,8 @@ def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
     p.add_argument("--store-memory", default="512M")
     p.add_argument("--policy", default="kv-aware")
     p.add_argument("--auto-threshold", type=int, default=256)
+    p.add_argument("--balance-abs", type=int, default=Balance().abs_requests)
+    p.add_argument("--balance-rel", type=float, default=Balance().rel)
     p.add_argument("--worker-arg", action="append", default=[])
     args, _ = p.parse_known_args(shlex.split(flags))
     w, _ = _worker_parser().parse_known_args(args.worker_arg)
@@ -153,5 +166,5 @@ def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
         decode=0 if colocated else args.decode, colocated=1 if colocated else 0,
         prefill_spec=replace(base, role="prefill"), decode_spec=replace(base, role="decode"),
         colocated_spec=replace(base, role="colocated"), policy=args.policy,
-        auto_threshold=args.auto_threshold, store_memory_bytes=parse_bytes(args.store_memory),
-        salt_per_request=salt_per_request)
+        auto_threshold=args.auto_threshold, balance=Balance(args.balance_abs, args.balance_rel),
+        store_memory_bytes=parse_bytes(args.store_memory), salt_per_request=salt_per_request)

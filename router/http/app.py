@@ -109,7 +109,7 @@ def create_app(
     metrics = metrics or RouterMetrics()
     policy = PrefillPolicy(config.policy, pool.index)
     orchestrator = Orchestrator(pool, policy, metrics, mode=config.mode,
-                                auto_threshold=config.auto_threshold_tokens,
+                                auto_threshold=config.auto_threshold_tokens, balance=config.balance,
                                 store_prefix=store.prefix_len if store is not None else store_prefix,
                                 store_up=(lambda: store.up) if store is not None else None,
                                 request_log=request_log)

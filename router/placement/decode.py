@@ -10,16 +10,25 @@ as reported, blocks this router booked there); the request needs
 cache could hold it (the request waits in that worker's queue, as it would in a single
 engine, rather than failing while the fleet is busy); then the least loaded, then the most
 free blocks, then the worker id. None: the request fits in no worker's cache.
+
+The colocated choice has one more step (:class:`Balance`, SGLang's cache-aware router's
+balance thresholds): the prefill policy scores prompt work alone (queued prefills, the cached
+prefix), not the decodes a worker is running, so a prefix many requests share would pile them
+all onto the workers that cache it while the rest of the fleet idles, and those workers'
+decodes slow down (the planner's simulated 32-64 GPU fleets, docs/benchmarks.md). So the
+workers loaded far past the least loaded candidate (by ``abs_requests`` requests *and* by a
+factor ``rel``) are left out before the policy chooses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.api.blocks import blocks_needed
 from router.workers.pool import WorkerHandle
 
-__all__ = ["with_room", "choose_decode"]
+__all__ = ["Balance", "with_room", "choose_decode"]
 
 
 def with_room(handles: Sequence[WorkerHandle], tokens: int, max_tokens: int) -> list[WorkerHandle]:
@@ -38,3 +47,30 @@ def choose_decode(handles: Sequence[WorkerHandle], tokens: int, max_tokens: int)
     if not options:
         return None
     return min(options, key=lambda h: (h.load.load, -h.load.free_blocks, h.worker_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """The colocated choice's load guard (see the module docstring). A worker stays a candidate
+    while its load (queued + running requests, ``WorkerLoad.load``) is at most
+    ``max(least + abs_requests, least x rel)``, ``least`` the least loaded candidate's. A large
+    ``abs_requests`` turns the guard off; ``abs_requests=0, rel=1`` keeps only the least loaded."""
+
+    abs_requests: int = 32
+    rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.abs_requests < 0:
+            raise ValueError(f"balance abs_requests must be >= 0, got {self.abs_requests}")
+        if self.rel < 1:
+            raise ValueError(f"balance rel must be >= 1, got {self.rel}")
+
+    def within(self, handles: Sequence[WorkerHandle]) -> list[WorkerHandle]:
+        """The candidates not loaded far past the least loaded one (all of them, in order,
+        when the load is even)."""
+        if len(handles) < 2:
+            return list(handles)
+        loads = [h.load.load for h in handles]
+        least = min(loads)
+        bound = max(least + self.abs_requests, least * self.rel)
+        return [h for h, n in zip(handles, loads) if n <= bound]

@@ -10,8 +10,9 @@ and applies stop strings; this module owns placement). For each ``ServeRequest``
    - mode ``disaggregated``: the prefill worker with the policy's best estimate
      (``router.placement.prefill``; ``kv-aware``: the lowest estimated time to first token
      from device hits, store hits and queued work);
-   - mode ``colocated``: of the workers with room (``router.placement.decode.with_room``),
-     the one the prefill policy prefers runs ``phase="full"``;
+   - mode ``colocated``: of the workers with room (``router.placement.decode.with_room``)
+     and not loaded far past the least loaded (``Balance``), the one the prefill policy
+     prefers runs ``phase="full"``;
    - mode ``auto``: when the would-be decode worker's (``choose_decode``) uncached part is
      shorter than ``auto_threshold`` tokens it prefills locally (``auto-local``), otherwise
      ``auto-remote`` (disaggregated). No prefill worker at all also means local.
@@ -51,7 +52,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from router.config import MODES, Mode
 from router.metrics import RouterMetrics
-from router.placement.decode import choose_decode, with_room
+from router.placement.decode import Balance, choose_decode, with_room
 from router.placement.errors import NoCapacity, PlacementError
 from router.placement.failover import ChoiceRun, FailoverKind, RunHooks
 from router.placement.prefill import PrefillPolicy, prefer_local
@@ -81,6 +82,7 @@ class Orchestrator:
 
     def __init__(self, pool: WorkerPool, policy: PrefillPolicy, metrics: RouterMetrics, *,
                  mode: Mode = "disaggregated", auto_threshold: int = 256,
+                 balance: Balance = Balance(),
                  store_prefix: StorePrefixFn | None = None, store_up: StoreUpFn | None = None,
                  request_log: RequestLog | None = None) -> None:
         if mode not in MODES:
@@ -88,7 +90,7 @@ class Orchestrator:
         if auto_threshold < 0:
             raise ValueError(f"auto_threshold must be >= 0, got {auto_threshold}")
         self.pool, self.policy, self.metrics = pool, policy, metrics
-        self.mode, self.auto_threshold = mode, auto_threshold
+        self.mode, self.auto_threshold, self.balance = mode, auto_threshold, balance
         self.store_prefix, self.store_up = store_prefix, store_up
         self.request_log = request_log or RequestLog()
         self.failovers = Counter("kvrouter_failovers",
@@ -185,7 +187,7 @@ class Orchestrator:
         start = time.perf_counter()
 
         if self.mode == "colocated":
-            fitting = with_room(decode, n, max_tokens)
+            fitting = self.balance.within(with_room(decode, n, max_tokens))
             chosen = self.policy.choose([w.load for w in fitting], keys, n, store_blocks)
             if chosen is None:
                 raise NoCapacity(f"no worker's KV cache can hold {n} prompt + "

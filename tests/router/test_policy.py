@@ -9,7 +9,7 @@ from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.events import LoadFigures, Snapshot
 from kvstore.keys import block_keys
 from engine.api.blocks import blocks_needed
-from router.placement.decode import choose_decode
+from router.placement.decode import Balance, choose_decode
 from router.placement.prefill import PrefillPolicy, prefer_local
 from router.workers.fit import LinearCost, RateConfig
 from router.workers.kv_index import KvIndex
@@ -305,6 +305,44 @@ def test_decode_choice_needs_free_blocks_then_least_load() -> None:
     assert choose_decode(handles, 100, 100).load is busy
     assert choose_decode(handles, 100, 10_000) is None
     assert choose_decode(handles[:1], 50, 50).load is small
+
+
+def test_colocated_balance_leaves_out_the_piled_up_prefix_holder() -> None:
+    """The kv-aware choice alone sends every request to the worker caching the shared prefix,
+    however many decodes it runs; the balance guard leaves it out once it is loaded past
+    both thresholds, and the policy then chooses among the rest."""
+    hot, cold1, cold2 = _worker("hot", "colocated"), _worker("cold1", "colocated"), _worker("cold2", "colocated")
+    policy = PrefillPolicy("kv-aware", _index_with({"hot": 20}))
+    handles = [_handle(w) for w in (hot, cold1, cold2)]
+    cold1.observe_load(LoadFigures(running=10))
+    cold2.observe_load(LoadFigures(running=12))
+    balance = Balance(abs_requests=8, rel=1.5)
+
+    def chosen() -> str:
+        fitting = balance.within(handles)
+        return policy.choose([h.load for h in fitting], KEYS, len(PROMPT))[0].worker_id
+
+    hot.observe_load(LoadFigures(running=18))      # 10 + 8: still inside the absolute slack
+    assert chosen() == "hot"
+    hot.observe_load(LoadFigures(running=19))      # past 10 + 8 and past 1.5 x 10
+    assert policy.choose([h.load for h in handles], KEYS, len(PROMPT))[0].worker_id == "hot"
+    assert chosen() == "cold1"                     # the less loaded of the rest (equal estimates)
+    # The relative threshold: at high loads a worker within 1.5x of the least stays in.
+    for w, n in ((cold1, 100), (cold2, 100), (hot, 150)):
+        w.observe_load(LoadFigures(running=n))
+    assert chosen() == "hot"
+    hot.observe_load(LoadFigures(running=151))
+    assert chosen() == "cold1"
+    # This router's own bookings count as load before the worker reports them.
+    for w in (hot, cold1, cold2):
+        w.observe_load(LoadFigures())
+    for _ in range(9):
+        hot.assign(prefill_tokens=10)
+    assert [h.worker_id for h in balance.within(handles)] == ["cold1", "cold2"]
+    assert Balance(abs_requests=10_000).within(handles) == handles  # off
+    assert Balance(abs_requests=0, rel=1.0).within(handles[1:]) == handles[1:]  # a tie keeps both
+    with pytest.raises(ValueError, match="rel must be >= 1"):
+        Balance(rel=0.5)
 
 
 def _handle(load: WorkerLoad) -> WorkerHandle:
