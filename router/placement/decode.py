@@ -56,8 +56,8 @@ class Balance:
     ``max(least + abs_requests, least x rel)``, ``least`` the least loaded candidate's. A large
     ``abs_requests`` turns the guard off; ``abs_requests=0, rel=1`` keeps only the least loaded."""
 
-    abs_requests: int = 32
-    rel: float = 1.5
+    abs_requests: int = 2
+    rel: float = 1.1
 
     def __post_init__(self) -> None:
         if self.abs_requests < 0:
