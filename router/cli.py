@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from router.cluster.autoscaler import Autoscaler, AutoscaleSpec
     from router.cluster.launcher import ClusterSpec, LocalCluster
     from router.cluster.supervisor import Supervisor
-    from router.placement.decode import Balance
+    from router.placement.balance import Balance
     from router.scaling.policy import ScalingConfig
 
 __all__ = ["main", "build_parser"]
@@ -216,7 +216,7 @@ def _scaling_argv(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _add_balance_flags(p: argparse.ArgumentParser) -> None:
-    from router.placement.decode import Balance
+    from router.placement.balance import Balance
 
     d = Balance()
     p.add_argument("--balance-abs", type=int, default=None, metavar="N",
@@ -228,7 +228,7 @@ def _add_balance_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _balance(args: argparse.Namespace) -> "Balance":
-    from router.placement.decode import Balance
+    from router.placement.balance import Balance
 
     d = Balance()
     return Balance(d.abs_requests if args.balance_abs is None else args.balance_abs,

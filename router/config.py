@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.placement.decode import Balance
+from router.placement.balance import Balance
 from router.placement.prefill import PREFILL_POLICIES, PrefillPolicyName
 from router.scaling.policy import ScalingConfig
 from router.workers.fit import RateConfig

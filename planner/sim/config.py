@@ -19,7 +19,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from planner.sim.worker import WorkerSpec
-from router.placement.decode import Balance
+from router.placement.balance import Balance
 
 __all__ = ["ClusterConfig", "from_up_flags", "parse_bytes"]
 
