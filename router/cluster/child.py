@@ -99,6 +99,7 @@ class ChildProcess:
     starts: int = 0
     deliberate: bool = False             # stopped on purpose: not to be restarted
     _log_offset: int = 0
+    _terminated_pid: int | None = None   # the process SIGTERM was sent to (once per process)
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in self.unset_env}
@@ -155,12 +156,20 @@ class ChildProcess:
         except ProcessLookupError:
             pass
 
+    def terminate(self) -> None:
+        """SIGTERM the group once: a second SIGTERM could reach a worker after its drain, once
+        its handler is gone, and kill it mid-shutdown (exit -15)."""
+        if self.proc is not None and self.proc.pid != self._terminated_pid:
+            self._terminated_pid = self.proc.pid
+            self.signal_group(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the group, wait up to ``timeout``, then SIGKILL it. Returns the exit code."""
+        """SIGTERM the group (unless ``terminate`` already did), wait up to ``timeout``, then
+        SIGKILL it. Returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.signal_group(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

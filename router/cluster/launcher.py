@@ -236,7 +236,7 @@ class LocalCluster:
                 for other in live[i:]:
                     if other.kind not in _WORKER_KINDS:
                         break
-                    other.signal_group(signal.SIGTERM)
+                    other.terminate()
             code = child.stop(self.spec.stop_timeout)
             self.on_status(f"stopped {child.name} (exit {code})")
         self.children.clear()
