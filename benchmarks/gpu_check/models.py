@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check.runner import Ctx
+from engine.model.tiny import _weights
 
 __all__ = ["SHAPES", "tiny", "shaped"]
 
@@ -51,37 +52,6 @@ def tiny(ctx: Ctx, arch: str = "llama") -> Path:
     return ctx.shared[key]
 
 
-def _weights(c: dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    tied = c["tie_word_embeddings"]
-    out_scale = 8.0 if tied else 1.0
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        t = torch.empty(*shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=g)
-        return t.to(dtype).cpu()
-
-    def norm(dim: int) -> torch.Tensor:
-        return (1.0 + torch.empty(dim, device=device).normal_(0.0, 0.1, generator=g)).to(dtype).cpu()
-
-    w = {"model.embed_tokens.weight": normal(v, h, std=0.5 if tied else 1.0)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(h)
-        w[p + "post_attention_layernorm.weight"] = norm(h)
-        for name, rows in (("q_proj", heads * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd)):
-            w[p + f"self_attn.{name}.weight"] = normal(rows, h, std=h ** -0.5)
-        w[p + "self_attn.o_proj.weight"] = normal(h, heads * hd, std=out_scale * (heads * hd) ** -0.5)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h ** -0.5)
-        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h ** -0.5)
-        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=out_scale * inter ** -0.5)
-    w["model.norm.weight"] = norm(h)
-    if not tied:
-        w["lm_head.weight"] = normal(v, h, std=4.0 * h ** -0.5)
-    return w
-
-
 def shaped(ctx: Ctx, name: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
     """A random checkpoint of :data:`SHAPES` ``name``'s shape stored in ``dtype``, made once per
     run (module docstring)."""
@@ -104,7 +74,7 @@ def shaped(ctx: Ctx, name: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
         **shape,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    weights = _weights(shape, getattr(torch, dtype), ctx.device, seed)
+    weights = _weights(config, seed, device=ctx.device, dtype=getattr(torch, dtype))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     ctx.shared[key] = path
     return path

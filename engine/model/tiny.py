@@ -84,22 +84,26 @@ def _train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
     return tok
 
 
-def _weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
+def _weights(config: dict[str, Any], seed: int, device: str = "cpu", dtype: Any = None) -> dict[str, Any]:
+    """Random weights of ``config``'s shape, drawn on ``device`` (a GPU draws an 8B model in
+    seconds) and returned on the CPU in ``dtype`` (default float32)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads, kvh = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or h // heads
     v = config["vocab_size"]
 
     def normal(*shape: int, std: float) -> "torch.Tensor":
-        return torch.randn(*shape, generator=g) * std
+        t = torch.randn(*shape, generator=g, device=device) * std
+        return t if dtype is None and device == "cpu" else t.to(dtype or torch.float32).cpu()
 
     def norm(dim: int) -> "torch.Tensor":
-        return 1.0 + normal(dim, std=0.1)
+        return (1.0 + torch.randn(dim, generator=g, device=device) * 0.1).to(dtype or torch.float32).cpu()
 
     tied = config["tie_word_embeddings"]
+    kind = config.get("model_type", "llama")
     # A tied head scores a token by its embedding: keep the embedding small in the residual
     # stream (and the layers' outputs large) or the model only repeats its input token.
     out_scale = 8.0 if tied else 1.0
@@ -110,10 +114,10 @@ def _weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
         out[p + "post_attention_layernorm.weight"] = norm(h)
         for name, rows in (("q_proj", heads * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd)):
             out[p + f"self_attn.{name}.weight"] = normal(rows, h, std=h**-0.5)
-            if config["model_type"] == "qwen2":
+            if kind == "qwen2":
                 out[p + f"self_attn.{name}.bias"] = normal(rows, std=0.1)
         out[p + "self_attn.o_proj.weight"] = normal(h, heads * hd, std=out_scale * (heads * hd) ** -0.5)
-        if config["model_type"] == "qwen3":
+        if kind == "qwen3":
             out[p + "self_attn.q_norm.weight"] = norm(hd)
             out[p + "self_attn.k_norm.weight"] = norm(hd)
         out[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
