@@ -224,12 +224,14 @@ def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
 
 def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list[tuple[str, str, str]],
                slos: dict[str, dict[str, float]], results: dict[str, Any], do_long: bool,
-               quick: bool = False, model: str = "default") -> None:
+               quick: bool = False, model: str = "default", step_trace: bool = False) -> None:
     cdir = out / name
     cdir.mkdir(parents=True, exist_ok=True)
     reqlog = cdir / "router_requests.jsonl"
     command = (f"{PY} -m router.cli up --model {model} --port {port} --request-log {reqlog} "
                f"--log-dir {cdir / 'logs'} --store-memory 2G {spec['up']}")
+    if step_trace:  # each worker's steps: OUT/NAME/steps-ROLE-PID.jsonl
+        command += f" --worker-arg=--step-trace={cdir.resolve()}/steps-{{role}}-{{pid}}.jsonl"
     res: dict[str, Any] = {"command": command.replace(PY, "python"), "salt_per_request": spec["salt"], "parts": {}}
     results[name] = res
     launched: Launched | None = None
@@ -314,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trace part's rates, comma-separated (default 0.1,...,0.5; quick 0.3)")
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
+    p.add_argument("--step-trace", action="store_true",
+                   help="every worker logs its steps to OUT/NAME/steps-ROLE-PID.jsonl (kvengine serve "
+                        "--step-trace): the step times the simulator's are checked against")
     return p
 
 
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.configs.split(","):
             run_config(name, CONFIGS[name], args.port, out, plan, slos, results,
                        do_long="long_hit" in wanted and name == "disagg_store", quick=args.quick,
-                       model=args.model)
+                       model=args.model, step_trace=args.step_trace)
     except lifecycle.Interrupted as stop:   # run_config's finally stopped its cluster
         interrupted = stop
     record = {"bench": "compare", "quick": args.quick, "machine": machine_info(), "seconds": time.time() - t0,

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", default=None, help="a kvstore node host:port")
     s.add_argument("--etcd", default=None,
                    help="etcd URL: register there, and find the store nodes there unless --store")
+    s.add_argument("--store-transport", choices=("auto", "tcp", "shm", "ucx"), default=d.store_transport,
+                   help="the data path to the store nodes: 'auto' (shared memory on this host, UCX to "
+                        "a node on another host that serves it, else TCP; kvstore.client.transport) "
+                        f"or one forced (default {d.store_transport})")
     s.add_argument("--cluster", default=d.cluster, help=f"cluster name (etcd key prefix, default {d.cluster})")
     s.add_argument("--num-blocks", type=int, default=d.num_blocks,
                    help=f"blocks of the paged KV cache (default {d.num_blocks})")
@@ -114,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between load reports on the event stream")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help=f"seconds running requests get to finish on SIGTERM (default {d.drain_timeout_s:g})")
+    s.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="append one JSON line per engine step to FILE ({role} and {pid} are "
+                        "replaced): its time, the model's share and its items (what "
+                        "planner.sim.costs is checked against)")
     s.add_argument("--log-level", default="warning", help="debug, info, warning or error (default warning)")
     add_secret_flags(s)
     tls_settings.add_tls_flags(s)
@@ -212,7 +221,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_handoff=args.kv_handoff,
         load_interval_s=args.load_interval, drain_timeout_s=args.drain_timeout,
         cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
-        insecure=args.insecure,
+        insecure=args.insecure, step_trace=args.step_trace, store_transport=args.store_transport,
     )
 
 
@@ -225,13 +234,13 @@ def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient]:
     from kvstore.errors import KVStoreError
 
     # The resolved secret goes explicitly; None lets the client find its own ($KVSTORE_AUTH_TOKEN).
-    token = cfg.cluster_secret
+    token, how = cfg.cluster_secret, cfg.store_transport
     try:
         if cfg.store is not None:
-            return (kvstore.connect(cfg.store, auth_token=token),
-                    kvstore.connect(cfg.store, auth_token=token))
-        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token),
-                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token))
+            return (kvstore.connect(cfg.store, auth_token=token, transport=how),
+                    kvstore.connect(cfg.store, auth_token=token, transport=how))
+        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token, transport=how),
+                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token, transport=how))
     except KVStoreError as exc:
         where = cfg.store or f"etcd {cfg.etcd} cluster {cfg.cluster!r}"
         raise _StartupError(f"cannot reach the kvstore at {where}: {exc} "
@@ -268,11 +277,13 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
                                   save_all=cfg.saves_all) if clients else None)
     events = EventStream(cfg.event_capacity)
     metrics = WorkerMetrics()
+    trace = (open(cfg.step_trace.replace("{role}", cfg.role).replace("{pid}", str(os.getpid())),  # noqa: SIM115
+                  "a", buffering=1) if cfg.step_trace else None)
     engine = LLMEngine(runner, cfg.engine_config(), connector=connector,
                        on_kv_event=events.on_kv_event)
     worker = EngineWorker(engine, runner, events, metrics, connector=connector,
                           handoff=cfg.kv_handoff == "local",
-                          load_interval_s=cfg.load_interval_s)
+                          load_interval_s=cfg.load_interval_s, step_trace=trace)
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls_settings.current() else "http"
     info = WorkerInfo(
@@ -293,6 +304,8 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
         worker.stop()
         for c in clients:
             c.close()
+        if trace is not None:
+            trace.close()
 
 
 class _Server:

@@ -15,6 +15,7 @@ from typing import Literal
 from engine.api.generate import WORKER_ROLES, WorkerRole
 from engine.core.config import EngineConfig
 from engine.api.paths import default_model_dir
+from kvstore.client.transport import TRANSPORTS, Transport
 from kvstore.secret import check_bind
 
 __all__ = ["WorkerConfig", "resolve_model_dir"]
@@ -50,6 +51,8 @@ class WorkerConfig:
       default ``host``, or the host's primary address when ``host`` is a wildcard
       (``kvstore.net.address``).
     - ``threads``: torch intra-op threads (None: torch's default).
+    - ``store_transport``: the data path to the store nodes (``kvstore.client.transport``):
+      ``auto`` by the transport matrix, or ``tcp`` / ``shm`` / ``ucx`` forced.
     - ``cluster_secret``: what every caller of the worker API but ``/health`` and ``/metrics``
       must send as ``Authorization: Bearer``, and what the store client authenticates with
       (None: no authentication, allowed only on a loopback ``host`` unless ``insecure``; the
@@ -85,6 +88,8 @@ class WorkerConfig:
     role_settle_s: float = 1.0           # a role change drains at least this long (routers catch up)
     cluster_secret: str | None = field(default=None, repr=False)
     insecure: bool = False
+    step_trace: str | None = None        # a JSONL file of every step (engine.worker.worker)
+    store_transport: Transport = "auto"  # the data path to the store (kvstore.client.transport)
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -93,6 +98,8 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.store is not None and self.etcd is None and ":" not in self.store:
             raise ValueError(f"--store must be host:port, got {self.store!r}")
+        if self.store_transport not in TRANSPORTS:
+            raise ValueError(f"store_transport must be one of {list(TRANSPORTS)}, got {self.store_transport!r}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
         for name in ("load_interval_s", "registration_ttl_s", "drain_timeout_s", "role_settle_s"):

@@ -23,6 +23,10 @@ Contract:
 - The worker measures each step (wall time, prefill and decode tokens via a thin wrapper
   around the runner), feeds ``WorkerMetrics`` and publishes load reports on the
   ``EventStream`` at most every ``load_interval_s`` when they changed.
+- ``step_trace``, when given (``kvengine serve --step-trace FILE``), gets one JSON line per
+  step that computed anything: ``{"t": wall clock, "step_s": the whole step, "execute_s": the
+  model's share, "items": [[tokens, start], ...]}`` (a decode is ``[1, context]``): what the
+  simulator's step times (``planner.sim.costs``) are checked against under real load.
 - ``drain()`` refuses new requests (``submit`` raises ``Draining``); ``idle`` says when
   every accepted request has delivered its final line (``in_flight``: how many have not).
   A role change (``engine.worker.role``) does not drain this way: it keeps accepting.
@@ -31,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -38,7 +43,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -76,6 +81,8 @@ class MeasuredRunner:
         self.kv_cache = runner.kv_cache
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.items: list[tuple[int, int]] = []   # (tokens, start) of each item, since take
+        self.execute_s = 0.0                       # time inside the model, since take
 
     def facts(self) -> dict[str, Any]:
         return self.inner.facts()
@@ -87,12 +94,22 @@ class MeasuredRunner:
                 self.decode_tokens += 1
             else:
                 self.prefill_tokens += n
-        return self.inner.execute(items)
+            self.items.append((n, item.start_pos))
+        t0 = time.perf_counter()
+        out = self.inner.execute(items)
+        self.execute_s += time.perf_counter() - t0
+        return out
 
     def take(self) -> tuple[int, int]:
         """(prefill, decode) tokens computed since the last call."""
         out = (self.prefill_tokens, self.decode_tokens)
         self.prefill_tokens = self.decode_tokens = 0
+        return out
+
+    def take_shape(self) -> tuple[list[tuple[int, int]], float]:
+        """The items executed since the last call, and the time the model took for them."""
+        out = (self.items, self.execute_s)
+        self.items, self.execute_s = [], 0.0
         return out
 
 
@@ -133,6 +150,7 @@ class EngineWorker:
         connector: KVStoreConnector | None = None,
         load_interval_s: float = 0.5,
         handoff: bool = True,
+        step_trace: TextIO | None = None,
     ) -> None:
         self.engine = engine
         self.handoff = handoff          # a prefill's blocks to this host's node (engine.kv.handoff)
@@ -141,6 +159,7 @@ class EngineWorker:
         self.metrics = metrics
         self.connector = connector
         self.load_interval_s = load_interval_s
+        self.step_trace = step_trace
         self.prefill_rate = RateMeter()
         self.decode_rate = RateMeter()
         self.load_rate = RateMeter()
@@ -304,6 +323,10 @@ class EngineWorker:
             total = prefill + decode
             self.prefill_rate.update(prefill, dt * prefill / total)
             self.decode_rate.update(decode, dt * decode / total)
+        items, execute_s = self.runner.take_shape()
+        if self.step_trace is not None and items:
+            self.step_trace.write(json.dumps({"t": round(time.time(), 4), "step_s": round(dt, 6),
+                                              "execute_s": round(execute_s, 6), "items": items}) + "\n")
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

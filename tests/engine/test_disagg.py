@@ -36,7 +36,7 @@ MAX_TOKENS = 32
 def store(tmp_path_factory):
     factory = DaemonFactory(tmp_path_factory.mktemp("disagg-store"))
     try:
-        yield factory(memory="64M")
+        yield factory("--metrics-port", "0", memory="64M")
     finally:
         factory.close()
 
@@ -50,7 +50,9 @@ def workers(tiny_llama_dir, store, tmp_path_factory):
     try:
         threads = []
         for name, flags in (("prefill", ["--role", "prefill", "--store", store.address]),
-                            ("decode", ["--role", "decode", "--store", store.address]),
+                            # forced onto TCP (the same host would take shared memory)
+                            ("decode", ["--role", "decode", "--store", store.address,
+                                        "--store-transport", "tcp"]),
                             ("colocated", ["--role", "colocated"])):
             slot: list = []
             started.append(slot)
@@ -76,6 +78,13 @@ def client(store):
     c.close()
 
 
+def _store_bytes(store, direction: str, path: str) -> float:
+    """The store daemon's ``kvstore_bytes_total`` for one direction and path."""
+    text = httpx.get(f"http://{store.metrics}/metrics", timeout=10).text
+    want = f'kvstore_bytes_total{{direction="{direction}",path="{path}"}}'
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(want))
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 512) for _ in range(n)]
@@ -93,9 +102,10 @@ def _disagg(workers, rid: str, prompt: list[int]) -> tuple[list[int], dict, dict
 
 
 @pytest.mark.parametrize("n", [37, 32, 50])
-def test_prefill_store_decode_equals_colocated_and_transformers(workers, client, tiny_llama_dir, n):
+def test_prefill_store_decode_equals_colocated_and_transformers(workers, client, store, tiny_llama_dir, n):
     prefill, decode, colocated = workers
     prompt = _prompt(n, n)
+    tcp_before = _store_bytes(store, "out", "tcp")
     tokens, pre, dec, pre_keys = _disagg(workers, f"pd-{n}", prompt)
 
     # The handoff: every full prompt block is in the store once the prefill answered, and
@@ -110,6 +120,8 @@ def test_prefill_store_decode_equals_colocated_and_transformers(workers, client,
     assert dec["store_hit_tokens"] == full and dec["device_hit_tokens"] == 0
     assert dec["computed_prompt_tokens"] == n - full + 1
     assert dec["kv_bytes_loaded"] == pre["kv_bytes_saved"]
+    # ... over TCP, as its --store-transport says (the prefill wrote over shared memory).
+    assert _store_bytes(store, "out", "tcp") - tcp_before >= dec["kv_bytes_loaded"]
 
     baseline, _ = generate(colocated.address, greedy(f"co-{n}", prompt, MAX_TOKENS))
     assert tokens == baseline

@@ -1,7 +1,9 @@
-"""EngineWorker in-process: what a client sees when the engine thread dies."""
+"""EngineWorker in-process: what a client sees when the engine thread dies; its step trace."""
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 
 import pytest
@@ -55,3 +57,20 @@ def test_a_dead_engine_thread_ends_requests_and_health_says_dead(tiny_llama_dir,
     assert r.status_code == 503
     assert r.json()["status"] == "dead" and "the model failed" in r.json()["error"]
     worker.stop()
+
+
+def test_the_step_trace_has_a_line_per_step_with_its_items(tiny_llama_dir):
+    """A 20-token prompt and 4 tokens: one prefill step ``[20, 0]`` then decodes ``[1, ctx]``
+    over growing contexts, each with its wall time and the model's (smaller) share."""
+    runner = MeasuredRunner(ModelRunner(tiny_llama_dir, num_blocks=16, block_size=16))
+    engine = LLMEngine(runner, EngineConfig(num_blocks=16, block_size=16))
+    trace = io.StringIO()
+    worker = EngineWorker(engine, runner, EventStream(64), WorkerMetrics(), step_trace=trace).start()
+    done = threading.Event()
+    request = GenerateRequest("r", list(range(3, 23)), sampling=SamplingParams(max_tokens=4, temperature=0))
+    worker.submit(request, lambda item: done.set() if isinstance(item, GenerateFinal) else None).result(30)
+    assert done.wait(30)
+    worker.stop()
+    lines = [json.loads(x) for x in trace.getvalue().splitlines()]
+    assert [x["items"] for x in lines] == [[[20, 0]], [[1, 20]], [[1, 21]], [[1, 22]]]
+    assert all(0 < x["execute_s"] <= x["step_s"] for x in lines)
