@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "127.0.0.1 (default 0: a free port, printed; -1: none)")
     u.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
+    u.add_argument("--store-arg", action="append", default=[],
+                   help="extra flag for every `kvstore serve` (repeatable), e.g. --store-arg=--ssd-dir=/data")
+    u.add_argument("--ucx", action="store_true",
+                   help="the store daemons also serve UCX (`kvstore serve --ucx`): workers and daemons "
+                        "on another host move blocks over it, same-host ones keep shared memory "
+                        "(kvstore.client.transport); not with --tls (UCX is unencrypted)")
     u.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds each child has to become ready (default 180)")
     u.add_argument("--hosts", type=int, default=0, metavar="N",
@@ -332,6 +338,9 @@ def _up(args: argparse.Namespace) -> int:
             made = os.path.isfile(os.path.join(args.tls_dir, "node.pem"))
             tls_config = (tls.TLSConfig.from_dir(args.tls_dir).check() if made
                           else make_certs(args.tls_dir)["node"])
+        if args.ucx and tls_config is not None:
+            raise ValueError("--ucx with TLS: the UCX path is unencrypted and TLS clients never take "
+                             "it; drop one of them")
         mode = args.mode or ("auto" if args.autoscale else "disaggregated")
         autoscale = _autoscale_spec(args, mode)
         _scaling_config(args)   # the --scale-* flags are checked here, not in the router's log
@@ -344,6 +353,7 @@ def _up(args: argparse.Namespace) -> int:
             api_key=args.api_key or None, cluster_secret=secret, insecure=args.no_cluster_secret,
             request_log=args.request_log, log_dir=args.log_dir,
             ready_timeout=args.ready_timeout, worker_args=tuple(args.worker_arg),
+            store_args=tuple(args.store_arg) + (("--ucx",) if args.ucx else ()),
             prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
             colocated_cpus=args.colocated_cpus, tls=tls_config, workers_by_index=args.autoscale,
             router_args=_scaling_argv(args))

@@ -122,6 +122,7 @@ class ClusterSpec:
     ready_timeout: float = 180.0
     stop_timeout: float = 10.0
     worker_args: tuple[str, ...] = ()    # extra flags for every `kvengine serve`
+    store_args: tuple[str, ...] = ()     # extra flags for every `kvstore serve` (e.g. --ucx)
     router_args: tuple[str, ...] = ()    # extra flags for `kvrouter serve` (its scaling objectives)
     prefill_cpus: str | None = None      # CPU list each role's workers are pinned to
     decode_cpus: str | None = None       # (None: not pinned)
@@ -365,7 +366,7 @@ class LocalCluster:
         port = free_port()
         child = self._spawn("store", "store", self._py(
             "kvstore.daemon.cli", "serve", "--port", str(port), "--memory", spec.store_memory,
-            "--etcd", self._etcd(), "--cluster", spec.cluster), f"127.0.0.1:{port}",
+            "--etcd", self._etcd(), "--cluster", spec.cluster, *spec.store_args), f"127.0.0.1:{port}",
             ready_pattern=rf"^kvstore ready address=\S*:{port} node_id=(?P<id>\S+)")
         self._wait(child, lambda: self.is_ready(child))
         self.on_status(f"store ready on 127.0.0.1:{port} ({spec.store_memory} host memory, "

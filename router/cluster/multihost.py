@@ -191,7 +191,7 @@ class MultiHostCluster(LocalCluster):
             started.append(self._spawn_on(i, f"store-{i}", "store", self._py(
                 "kvstore.daemon.cli", "serve", "--host", host.address, "--port", str(STORE_PORT),
                 "--memory", spec.store_memory, "--etcd", self._etcd(), "--cluster", spec.cluster,
-                "--metrics-port", str(STORE_METRICS_PORT)), f"{host.address}:{STORE_PORT}",
+                "--metrics-port", str(STORE_METRICS_PORT), *spec.store_args), f"{host.address}:{STORE_PORT}",
                 ready_pattern=rf"^kvstore ready address=\S*:{STORE_PORT} node_id=(?P<id>\S+)"))
         for i, child in enumerate(started):
             self._wait(child, lambda c=child: self.is_ready(c))

@@ -141,3 +141,45 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
     for name, c in children.items():
         assert not Path(f"/proc/{c['pid']}").exists() or \
             Path(f"/proc/{c['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", name
+
+
+def test_kvrouter_up_hosts_2_ucx_hands_the_kv_over_ucx(hosts, tiny_model_dir: Path, oracle,
+                                                      tmp_path: Path) -> None:
+    """``kvrouter up --hosts 2 --ucx``: the store daemons serve UCX, so the decode worker on
+    host 1 reads the prefill's blocks from host 0's store over UCX (auto: another host that
+    serves it), while the prefill on host 0 still writes to its own store over shared memory;
+    the completion is the oracle's."""
+    from kvstore.net import ucx
+
+    if ucx.available() is not None:
+        pytest.skip(f"ucxx does not import here: {ucx.available()}")
+    hosts(1).close()
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
+    logs, request_log = tmp_path / "logs", tmp_path / "requests.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "up", "--hosts", "2", "--ucx", "--model", str(tiny_model_dir),
+         "--port", "0", "--log-dir", str(logs), "--request-log", str(request_log),
+         "--store-memory", "64M", "--metrics-port", "-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    q, seen = _lines(proc), []
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    prompt = random_prompt(320, 11, tok.vocab_size)
+    expected = tok.decode(oracle(prompt, 8))
+    try:
+        url = _until(q, r"The router is up at (http://\S+) ", 90, seen).group(1)
+        state = json.loads((logs / "cluster.json").read_text())
+        model = httpx.get(f"{url}/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        r = httpx.post(f"{url}/v1/completions", timeout=60, trust_env=False, json={
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        rec = record(request_log, r.json()["id"])
+        assert rec["mode"] == "disaggregated" and rec["kv_bytes"]["loaded"] > 0, rec
+        store0 = Metrics(httpx.get(state["store_metrics"]["store-0"], timeout=5, trust_env=False).text)
+        assert store0.get("kvstore_bytes_total", direction="out", path="ucx") >= rec["kv_bytes"]["loaded"]
+        assert store0.get("kvstore_bytes_total", direction="in", path="shm") > 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 0, "\n".join(seen[-30:])
