@@ -13,6 +13,7 @@ __all__ = [
     "CorruptBlock",
     "AuthError",
     "ProtocolError",
+    "Unsupported",
     "EtcdError",
     "EtcdUnavailable",
     "LeaseExpired",
@@ -61,6 +62,13 @@ class ProtocolError(KVStoreError):
     """A peer sent something that is not valid protocol (bad magic or version, absurd length,
     unknown operation, truncated frame). The connection is closed; reconnect and retry, and
     check that client and daemon run the same protocol version."""
+
+
+class Unsupported(KVStoreError):
+    """The daemon or this machine cannot do what was asked: a data path it does not offer
+    (CUDA IPC from a daemon without a CUDA GPU tier, or from another host) or one that needs
+    CUDA where there is none. Nothing happened; the connection stays usable. Take another
+    path (``Client.get``/``put`` stage CUDA tensors through host memory)."""
 
 
 class EtcdError(KVStoreError):

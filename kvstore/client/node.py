@@ -60,10 +60,11 @@ import numpy as np
 
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
-from kvstore.client import shm_path, ucx_path
+from kvstore.client import cuda_path, shm_path, ucx_path
 from kvstore.client.transport import TRANSPORTS, Transport
 from kvstore.net.buffers import Dest, source_parts
 from kvstore.net import ucx
+from kvstore.node import cuda_ipc
 from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
@@ -117,6 +118,7 @@ class Client:
         self._use_index = shared_index
         self._lock = threading.RLock()
         self._conn: Connection | None = None
+        self._cuda: cuda_path.Link | None = None  # the daemon's GPU tier, mapped for _conn
         self._closed = False
         self._traffic = Traffic()
         with self._lock:
@@ -242,6 +244,49 @@ class Client:
                 conn.recv([b for b in bufs if b is not None])
                 out += [None if b is None else bytes(b) for b in bufs]
         return out
+
+    def get_cuda(self, keys: Sequence[bytes], tensors: Sequence[Any]) -> list[bool]:
+        """``get`` into contiguous CUDA tensors, device to device from the daemon's GPU tier
+        over CUDA IPC (``kvstore.client.cuda_path``); keys not in the GPU tier are read by
+        ``get`` (host paths, a staging copy). Which were found. ``Unsupported`` where CUDA IPC
+        is not possible: no CUDA here, or a daemon without a CUDA GPU tier on this host."""
+        torch = cuda_ipc.require_cuda()
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
+        dsts = [cuda_path.flat(torch, t, i) for i, t in enumerate(tensors)]
+        found: list[bool] = []
+        for sl in _chunks(len(keys)):
+            with self._request() as conn:
+                self._cuda = cuda_path.link(conn, self._cuda)
+                found += cuda_path.get(conn, self._cuda, keys[sl], dsts[sl])
+        rest = [i for i, f in enumerate(found) if not f]
+        if rest:
+            for i, f in zip(rest, self.get([keys[i] for i in rest], [tensors[i] for i in rest])):
+                found[i] = f
+        return found
+
+    def put_cuda(self, keys: Sequence[bytes], tensors: Sequence[Any]) -> list[bool]:
+        """``put`` of contiguous CUDA tensors straight into the daemon's GPU tier over CUDA
+        IPC, device to device (``kvstore.client.cuda_path``); per key, whether it is stored
+        (now, or already present). A part the GPU tier cannot fit goes through ``put``.
+        ``Unsupported`` as for ``get_cuda``."""
+        torch = cuda_ipc.require_cuda()
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
+        srcs = [cuda_path.flat(torch, t, i) for i, t in enumerate(tensors)]
+        with self._request() as conn:
+            self._cuda = cuda_path.link(conn, self._cuda)
+            cap = self._cuda.max_reserve
+        held: list[bool] = []
+        for sl in _byte_chunks([s.numel() for s in srcs], cap):
+            try:
+                with self._request() as conn:
+                    self._cuda = cuda_path.link(conn, self._cuda)
+                    cuda_path.put(conn, self._cuda, keys[sl], srcs[sl])
+                held += [True] * (sl.stop - sl.start)
+            except StoreFull:
+                held += self.put(keys[sl], tensors[sl])
+        return held
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []
@@ -413,6 +458,7 @@ class Client:
         return self._conn
 
     def _drop(self) -> None:
+        self._cuda = None  # its mapping is the old connection's
         if self._conn is not None:
             conn, self._conn = self._conn, None
             try:

@@ -47,7 +47,21 @@ PIN 11      keys                                        n u64 offsets, then size
 UNPIN 12    keys (pinned by this connection)            (empty)
 TOUCH 13    keys, n u32 read counts, n u64 sizes        (empty)
 UCX 14      JSON {"address", "prefix"}                  JSON {"address", "prefix"}
+GPU_HANDLE 15 (empty)                                   JSON: the GPU tier's CUDA IPC handle
+GPU_PIN 16  keys                                        n u64 tier offsets, then sizes
+                                                        (MISSING if not in the GPU tier)
+GPU_UNPIN 17 keys (GPU-pinned by this connection)       (empty)
+GPU_RESERVE 18 keys, sizes                              n u64 tier offsets (MISSING: present)
+GPU_COMMIT 19 keys (GPU-reserved by this connection)    (empty)
+GPU_ABORT 20 keys (GPU-reserved by this connection)     (empty)
 ==========  ==========================================  =====================================
+
+GPU_* (15-20) are the same-host CUDA IPC path (``kvstore.node.gpu_share``): HELLO's answer
+says ``"cuda_ipc": true`` when the daemon has a CUDA GPU tier and the HELLO's host id is its
+own; the client opens the one handle per connection and copies blocks device to device at the
+offsets, as RESERVE/COMMIT/ABORT/PIN/UNPIN do in the arena (pins and reservations are the
+connection's, released when it ends). Where it is not offered they answer UNSUPPORTED and the
+connection goes on.
 
 RESERVE/COMMIT/ABORT/PIN/UNPIN are the same-host shared-memory path: the client maps the
 daemon's arena (named in the HELLO response; used only when the HELLO host ids match and the
@@ -101,7 +115,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from kvstore.errors import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+from kvstore.errors import (AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull,
+                            StoreUnavailable, Unsupported)
 from kvstore.keys import KEY_BYTES, BlockKey
 
 __all__ = [
@@ -152,6 +167,12 @@ class Op(IntEnum):
     UNPIN = 12
     TOUCH = 13
     UCX = 14
+    GPU_HANDLE = 15
+    GPU_PIN = 16
+    GPU_UNPIN = 17
+    GPU_RESERVE = 18
+    GPU_COMMIT = 19
+    GPU_ABORT = 20
 
 
 class ErrorCode(IntEnum):
@@ -161,6 +182,7 @@ class ErrorCode(IntEnum):
     CORRUPT = 4
     UNAVAILABLE = 5
     INTERNAL = 6
+    UNSUPPORTED = 7
 
 
 _EXC_BY_CODE: dict[int, type[KVStoreError]] = {
@@ -170,6 +192,7 @@ _EXC_BY_CODE: dict[int, type[KVStoreError]] = {
     ErrorCode.CORRUPT: CorruptBlock,
     ErrorCode.UNAVAILABLE: StoreUnavailable,
     ErrorCode.INTERNAL: KVStoreError,
+    ErrorCode.UNSUPPORTED: Unsupported,
 }
 
 
@@ -177,7 +200,8 @@ _KEYS_META = 4 + MAX_BATCH * KEY_BYTES
 _KEYS_SIZES_META = 4 + MAX_BATCH * (KEY_BYTES + 8)
 _TOUCH_META = 4 + MAX_BATCH * (KEY_BYTES + 4 + 8)
 _META_LIMIT: dict[int, int] = {Op.HELLO: MAX_HELLO_META, Op.PUT: _KEYS_SIZES_META, Op.RESERVE: _KEYS_SIZES_META,
-               Op.STATS: 0, Op.TOUCH: _TOUCH_META, Op.UCX: MAX_UCX_META}
+               Op.STATS: 0, Op.TOUCH: _TOUCH_META, Op.UCX: MAX_UCX_META, Op.GPU_HANDLE: 0,
+               Op.GPU_RESERVE: _KEYS_SIZES_META}
 NO_REPLY_OPS = frozenset({Op.UNPIN, Op.TOUCH})  # the ops that may be sent with FLAG_NO_REPLY
 UCX_OPS = frozenset({Op.GET, Op.RESERVE})  # the ops that may be sent with FLAG_UCX
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
-from kvstore.net import protocol as P, tls_io
+from kvstore.net import gpu_ops, protocol as P, tls_io
 from kvstore.net.frames import Close, FrameReader, FrameTimeout
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore
@@ -66,7 +66,7 @@ _BURST = 64  # frames served in one step before the session yields its thread
 _OP_NAMES = {int(op): op.name.lower() for op in P.Op}  # the metrics' op label
 
 Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
-DataPath = Literal["tcp", "shm", "ucx"]  # the socket / the shared-memory arena / UCX messages
+DataPath = Literal["tcp", "shm", "ucx", "cuda_ipc"]  # socket / arena / UCX / GPU tier (gpu_ops)
 DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout",
                      "tls_handshake"]
 
@@ -111,7 +111,7 @@ class Session:
 
     __slots__ = ("server", "store", "sock", "fd", "peer", "state", "authed", "opened",
                  "last_active", "reader", "_header", "reserved", "reserved_bytes", "pins", "tls",
-                 "handshaking", "ucx", "stuck", "__weakref__")
+                 "handshaking", "ucx", "stuck", "same_host", "__weakref__")
 
     def __init__(self, server: SessionHost, sock: socket.socket, peer: object, now: float) -> None:
         self.server = server
@@ -131,6 +131,7 @@ class Session:
         self.handshaking = self.tls  # a TLS socket comes before its handshake
         self.ucx: UcxChannel | None = None
         self.stuck = False  # a UCX request outlived its endpoint: keep what it may write
+        self.same_host = False  # HELLO's host id is the daemon's (CUDA IPC: kvstore.net.gpu_ops)
 
     @property
     def frame_started(self) -> float | None:
@@ -300,7 +301,7 @@ class Session:
                                 "the daemon's secret (--cluster-secret-file, $KVCACHE_CLUSTER_SECRET)")
         if self.authed:
             raise ProtocolError("a second HELLO on one connection")
-        self.authed = True
+        self.authed, self.same_host = True, req.get("host_id") == self.server.host_id
         arena = self.store.arena
         index = self.store.index  # the shared-memory index, if published (shared_index.py)
         self._reply(h, P.pack_json({
@@ -308,8 +309,7 @@ class Session:
             "arena": {"name": arena.name, "size": arena.size},
             "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, self.server.max_reserve),
             **({"index": index.info()} if index is not None else {}),
-            **({"ucx": True} if self.server.ucx is not None else {}),
-        }))
+            **({"ucx": True} if self.server.ucx is not None else {}), **gpu_ops.hello_fields(self)}))
 
     def _put(self, h: P.Header, meta: memoryview) -> None:
         keys, sizes = P.unpack_keys_sizes(meta)
@@ -494,4 +494,4 @@ _HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
     P.Op.DELETE: Session._delete, P.Op.STATS: Session._stats, P.Op.RESERVE: Session._reserve,
     P.Op.COMMIT: Session._commit, P.Op.ABORT: Session._abort, P.Op.PIN: Session._pin,
     P.Op.UNPIN: Session._unpin, P.Op.TOUCH: Session._touch, P.Op.UCX: Session._ucx,
-}
+    **gpu_ops.HANDLERS}

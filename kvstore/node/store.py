@@ -9,7 +9,8 @@ Contract (``docs/architecture.md``, "BlockStore"), and the decisions behind it:
   then ``commit``s (or ``abort``s). ``pin`` returns host locations to read from, promoting
   GPU/SSD hits into the arena first; ``unpin`` ends the read.
 - A pinned or reserved block is never evicted. Reservations and pins may carry an ``owner``
-  token (e.g. a connection); ``release_owner`` aborts its reservations and drops its pins.
+  token (e.g. a connection); ``release_owner`` aborts its reservations and drops its pins,
+  the GPU tier's CUDA IPC ones included (``gpu_share``, ``kvstore.node.gpu_share``).
 - Recency: batch calls touch their keys from last to first, so a prefix's tail is evicted
   before its head. ``contains``/``prefix_len`` never touch recency.
 - Watermarks: when a commit (or a promotion) leaves host occupancy above ``high_watermark``,
@@ -43,6 +44,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.node.arena import Arena
+from kvstore.node.gpu_share import GpuShare
 from kvstore.errors import KVStoreError, StoreFull, StoreUnavailable
 from kvstore.node.host_tier import EntryState, HostEntry, HostIndex
 from kvstore.keys import BlockKey
@@ -146,6 +148,9 @@ class BlockStore:
                               self._counters,
                               high_bytes=int(config.high_watermark * self._host.capacity),
                               low_bytes=int(config.low_watermark * self._host.capacity))
+        # Same-host CUDA IPC readers and writers of the GPU tier (gpu_share.py); None without one.
+        self.gpu_share = (GpuShare(self._gpu, self._lock, self._present_locked, self._ssd, self._s_gpu)
+                          if self._gpu is not None else None)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -382,6 +387,9 @@ class BlockStore:
                 for _ in range(n):
                     self._host.unpin(e, owner)
                 n_pins += n
+            if self._gpu is not None:  # its CUDA IPC pins and reservations (gpu_share.py)
+                gpu_reserved, gpu_pins = self._gpu.release_owner(owner)
+                return len(reserved) + gpu_reserved, n_pins + gpu_pins
         return len(reserved), n_pins
 
     def stats(self) -> StoreStats:
@@ -428,7 +436,7 @@ class BlockStore:
 
     def _present_locked(self, key: BlockKey) -> bool:
         """Present in a tier or being written: a put of it is a no-op."""
-        return (key in self._host or (self._gpu is not None and key in self._gpu)
+        return (key in self._host or (self._gpu is not None and self._gpu.holds(key))
                 or (self._ssd is not None and key in self._ssd))
 
     def _visible_locked(self, key: BlockKey) -> bool:
