@@ -20,6 +20,11 @@ etcd (``pick``): a node whose registration lists no UCX is dialled with ``"tcp"`
 is on this host. ``"tcp"``, ``"shm"`` and ``"ucx"`` force one path (a node that cannot serve
 it is unreachable to that client). The daemon's own clients (re-replication, drains) choose
 the same way, so daemon-to-daemon copies take UCX where both ends serve it.
+
+CUDA IPC (``kvstore.client.cuda_path``) is no connection's path but two calls of ``Client``,
+``get_cuda``/``put_cuda``, beside whichever path the connection took: the daemon's GPU tier
+mapped into this process, offered by a daemon with a CUDA GPU tier (``"cuda_ipc"`` in its
+registration's ``"transports"`` and HELLO's answer) to clients on its host.
 """
 
 from __future__ import annotations

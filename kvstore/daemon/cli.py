@@ -158,7 +158,8 @@ class Daemon:
                  "capacity": {"memory": c.memory_bytes, "ssd": c.ssd_capacity_bytes,
                               "gpu": c.gpu_memory_bytes},
                  "tiers": tiers,
-                 "transports": ["tcp", "shm"] + (["ucx"] if c.ucx else [])}
+                 "transports": ["tcp", "shm"] + (["ucx"] if c.ucx else [])
+                 + (["cuda_ipc"] if c.gpu_memory_bytes else [])}  # same host, GPU tier: gpu_ops
         self.registration = register(etcd, c.cluster, "stores", node_id, value,
                                      ttl=c.registration_ttl)
         self._start_replication(etcd, node_id, value)

@@ -96,6 +96,7 @@ def _local_device(torch: Any, info: dict[str, Any]) -> int:
 def open_buffer(info: dict[str, Any]) -> Any:
     """The exporter's buffer mapped here: a CUDA uint8 tensor of ``info["nbytes"]`` bytes."""
     torch = require_cuda()
+    torch.cuda._lazy_init()  # as torch.multiprocessing's rebuild_cuda_tensor does first
     device = _local_device(torch, info)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(

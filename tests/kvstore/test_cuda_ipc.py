@@ -256,3 +256,13 @@ def test_two_processes_move_blocks_through_the_gpu_tier(start_daemon):
         assert c.get_cuda([K(i) for i in range(n)], dst) == [True] * n
         assert c.stats()["store"]["gpu"]["hits"] == n  # read over IPC, not promoted to host
     assert all(torch.equal(a.cpu(), b) for a, b in zip(dst, want))
+
+
+def test_the_gpu_checks_section_sizes_smollm2_blocks_and_is_unsupported_without_cuda(tmp_path):
+    from benchmarks.gpu_check import ipc
+    from benchmarks.gpu_check.runner import Ctx, Unsupported as SectionUnsupported
+
+    assert ipc.block_bytes() == 30 * 2 * 16 * 3 * 64 * 2  # layers, K and V, tokens, heads, dim, bf16
+    ctx = Ctx(device="cpu", selftest=True, work=tmp_path, out=tmp_path, log_file=None)
+    with pytest.raises(SectionUnsupported, match="no CUDA"):
+        ipc.run(ctx, {})
