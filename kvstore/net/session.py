@@ -26,8 +26,9 @@ a refused certificate or a peer not speaking TLS ends it (``tls_handshake``). Th
 deadline is then the socket's Python timeout, and ``buffered()`` tells the server to serve
 the session again when TLS holds decrypted bytes that epoll cannot see.
 
-Whatever the session has reserved or pinned (``owner=self``) is released by ``release()``,
-which the server calls however the session ends.
+Whatever the session has reserved or pinned (``owner=self``; the GPU tier's too, through the
+CUDA IPC ops of ``kvstore.net.gpu_ops``) is released by ``release()``, which the server calls
+however the session ends.
 
 UCX (``kvstore.net.ucx``, the spec): after HELLO a client may set up a ``UcxChannel``; its
 ``FLAG_UCX`` GETs and RESERVEs then move blocks as UCX messages, and ``release()`` closes the

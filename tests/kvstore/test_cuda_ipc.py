@@ -266,3 +266,21 @@ def test_the_gpu_checks_section_sizes_smollm2_blocks_and_is_unsupported_without_
     ctx = Ctx(device="cpu", selftest=True, work=tmp_path, out=tmp_path, log_file=None)
     with pytest.raises(SectionUnsupported, match="no CUDA"):
         ipc.run(ctx, {})
+
+
+def test_no_gpu_op_is_served_before_hello(cpu_tier_server):
+    import socket
+
+    _, address = cpu_tier_server
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(P.pack_header(P.Op.GPU_PIN, 0, 1, 20) + P.pack_keys([K(1)]))
+        head = sock.recv(P.HEADER_SIZE, socket.MSG_WAITALL)
+        h = P.unpack_header(head)
+        assert h.flags & P.FLAG_ERROR
+        meta = sock.recv(h.meta_len, socket.MSG_WAITALL)
+        assert P.error_from_meta(meta).__class__.__name__ == "AuthError"
+        try:  # and closed (reset: the meta it never read)
+            assert sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
