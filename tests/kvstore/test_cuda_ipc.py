@@ -216,6 +216,40 @@ def test_unpin_of_what_the_connection_does_not_hold_closes_only_it(cpu_tier_serv
         good.close()
 
 
+def test_get_cuda_and_put_cuda_over_a_cpu_tier_in_this_process(cpu_tier_server, monkeypatch):
+    """The client's calls with the mapping stood in for by the in-process tier's own buffer
+    (what ``open_buffer`` maps on CUDA) and CPU tensors standing in for CUDA ones."""
+    from kvstore.client import cuda_path
+    from kvstore.node import cuda_ipc
+
+    store, address = cpu_tier_server
+    gpu = store._gpu
+
+    class Mapped:
+        def __init__(self, conn):
+            self.conn, self.buf, self.max_reserve = conn, gpu.buffer, store.gpu_share.max_reserve
+
+        def sync(self, tensors):
+            pass
+
+    monkeypatch.setattr(cuda_ipc, "require_cuda", lambda: torch)
+    monkeypatch.setattr(cuda_path, "link", lambda conn, cur: cur if cur is not None and cur.conn is conn
+                        else Mapped(conn))
+    monkeypatch.setattr(cuda_path, "flat", lambda torch, t, i: t.reshape(-1).view(torch.uint8))
+    store.put(K(9), V(9))  # in the host tier: put_cuda writes nothing, get_cuda reads it by get
+    src = [torch.frombuffer(bytearray(V(i)), dtype=torch.uint8) for i in (0, 1, 2, 9)]
+    with Client(address, transport="tcp") as c:
+        assert c.put_cuda([K(0), K(1), K(2), K(9)], src) == [True] * 4
+        assert len(gpu) == 3 and K(9) not in gpu
+        dst = [torch.zeros(B, dtype=torch.uint8) for _ in range(5)]
+        assert c.get_cuda([K(0), K(1), K(2), K(9), K(7)], dst) == [True] * 4 + [False]
+        assert [bytes(d.numpy()) for d in dst[:4]] == [V(0), V(1), V(2), V(9)]
+        assert all(slot.pins == 0 for slot in gpu._lru.values())  # unpinned after the copies
+        big = [torch.zeros(B, dtype=torch.uint8) for _ in range(6)]  # over the cap: via put
+        assert c.put_cuda([K(20 + i) for i in range(6)], big) == [True] * 6
+        assert c.contains([K(20 + i) for i in range(6)]) == [True] * 6
+
+
 def test_the_cuda_calls_say_clearly_that_cuda_is_needed(monkeypatch):
     from kvstore.node import cuda_ipc
 
