@@ -72,13 +72,17 @@ def compare(costs: StepCosts, lines: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_fidelity", description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+", help="step trace files (kvengine serve --step-trace)")
     p.add_argument("--profile", required=True, help="the profile to price the steps with")
     p.add_argument("--block-size", type=int, default=None, help="the workers' block size (default the profile's)")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     costs = StepCosts(load_profile(args.profile), args.block_size)
     out: dict[str, Any] = {"bench": "step_fidelity", "profile": args.profile, "traces": {}}
     for path in args.traces:
