@@ -418,7 +418,9 @@ def _main_hosts(args: argparse.Namespace, iters: int, cap: int) -> None:
         "targets_met": {"get_ge_80pct_raw_socket": all(r["get_vs_raw"] >= 0.8 for r in batched)},
         "ratios": {label(r): {"get": r["get_vs_raw"], "put": r["put_vs_raw"],
                               **({"get_vs_tcp": r["get_vs_tcp"], "put_vs_tcp": r["put_vs_tcp"]}
-                                 if "get_vs_tcp" in r else {})} for r in rows},
+                                 if "get_vs_tcp" in r else {}),
+                              **({"get_vs_nixl": r["get_vs_nixl"], "put_vs_nixl": r["put_vs_nixl"]}
+                                 if "get_vs_nixl" in r else {})} for r in rows},
         "handoff": res["handoff"], "results": rows,
     }))
 

@@ -29,7 +29,11 @@ is a UCX one (``Client(transport="ucx")``: block bytes as tagged UCX messages,
 ``kvstore.net.ucx``); a TCP client of the same daemon is timed in the same rounds
 (``tcp_get``/``tcp_put``, ``*_vs_tcp``). Every row then also has the CPU-seconds per GB moved
 of the process serving each (the daemon for ours, the raw server for the raw socket;
-``/proc/PID/stat``, summed over the timed calls): ``*_cpu_s_per_gb``.
+``/proc/PID/stat``, summed over the timed calls): ``*_cpu_s_per_gb``. Where NIXL imports
+(``nixl-cu12``), the same rounds also time its UCX backend's one-sided transfers of the same
+bytes between the same hosts (``nixl_get``: a READ of the batch from a NIXL target on the
+store's host into the client's buffers; ``nixl_put``: a WRITE; ``*_vs_nixl``; the target's
+CPU-seconds per GB beside them; ``benchmarks.nixl_peer``), the reads checked bit-exact.
 
 With ``--tls`` the daemon and client speak TLS (``kvstore.tls``, certificates from
 ``kvstore.certs``) and the raw pair stays plain, so ``get_vs_raw`` is what TLS costs on the
@@ -69,9 +73,13 @@ _ROLE = "import sys; from benchmarks.store_hosts import role; role(sys.argv[1:])
 
 
 def role(argv: list[str]) -> None:
-    """Entry of the processes started inside the hosts: ``raw-server PORT MAX_BYTES`` or
-    ``client CONFIG_JSON``."""
-    if argv[0] == "raw-server":
+    """Entry of the processes started inside the hosts: ``raw-server PORT MAX_BYTES``,
+    ``nixl-server MAX_BYTES`` or ``client CONFIG_JSON``."""
+    if argv[0] == "nixl-server":
+        from benchmarks import nixl_peer
+
+        nixl_peer.serve(int(argv[1]))
+    elif argv[0] == "raw-server":
         _raw_server(int(argv[1]), int(argv[2]), tls=argv[3:] == ["tls"])
     elif argv[0] == "client":
         print(json.dumps(_client(json.loads(argv[1]))), flush=True)
@@ -196,6 +204,12 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
         assert getattr(client, "tls", None) is not None, "--tls: the client has no TLS settings"
     raw = _Raw(cfg["raw"])
     raw_tls = _Raw(cfg["raw_tls"], tls=True) if cfg["tls"] else None
+    nixl = None
+    if cfg.get("nixl"):
+        from benchmarks.nixl_peer import Initiator
+
+        nixl = Initiator(cfg["nixl"])
+        expected = np.random.default_rng(1).integers(0, 256, cfg["max_bytes"], dtype=np.uint8)
     iters = cfg["iters"]
     rows = []
     try:
@@ -211,10 +225,19 @@ def _client(cfg: dict[str, Any]) -> dict[str, Any]:
             tkeys = [BlockKey(rng.bytes(16)) for _ in range(batch)] if tcp is not None else []  # its own
             if tcp is not None:
                 fns |= {"tcp_put": lambda: tcp.put(tkeys, src), "tcp_get": lambda: tcp.get(tkeys, dst)}
+            ndst = [np.ones(size, np.uint8) for _ in range(batch)] if nixl is not None else []
+            if nixl is not None:
+                nixl.register(src + ndst)
+                fns |= {"nixl_put": lambda: nixl.write(src), "nixl_get": lambda: nixl.read(ndst)}
             cpu: dict[str, Any] | None = None
             if cfg.get("pids"):
-                cpu = {n: cfg["pids"]["raw" if n.startswith("raw") else "store"] for n in fns}
+                cpu = {n: cfg["pids"][n.split("_")[0] if n.startswith(("raw", "nixl")) else "store"]
+                       for n in fns}
             t = _rounds(fns, lambda: client.delete(keys + tkeys), iters, cpu)
+            if nixl is not None:
+                nixl.release()
+                assert all(np.array_equal(d, expected[i * size:(i + 1) * size])
+                           for i, d in enumerate(ndst)), "NIXL read wrong bytes"
             assert all(client.get(keys, dst)) and np.array_equal(dst[-1], src[-1]), \
                 "wrong bytes read back"
             client.delete(keys + tkeys)
@@ -245,6 +268,8 @@ def _row(size: int, batch: int, t: dict[str, list[float]],
             row[f"{op}_vs_raw_tls"] = min(t[f"raw_tls_{op}"]) / min(t[op])
         if f"tcp_{op}" in t:
             row[f"{op}_vs_tcp"] = min(t[f"tcp_{op}"]) / min(t[op])
+        if f"nixl_{op}" in t:
+            row[f"{op}_vs_nixl"] = min(t[f"nixl_{op}"]) / min(t[op])
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
@@ -362,6 +387,23 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
                                     str(max_bytes)], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
             _readline(raw, "the raw socket server")
+            nixl_info, nixl_pid = None, None
+            if transport == "ucx":
+                from benchmarks import nixl_peer
+
+                if nixl_peer.available() is None:
+                    nixl_srv = store_host.popen(
+                        [sys.executable, "-c", _ROLE, "nixl-server", str(max_bytes)], env=env,
+                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    line = ""
+                    for _ in range(50):   # its agent's log lines come first
+                        line = _readline(nixl_srv, "the NIXL target")
+                        if line.startswith(nixl_peer.MARK):
+                            break
+                    nixl_info = json.loads(line.removeprefix(nixl_peer.MARK))
+                    nixl_pid = nixl_srv.pid
+                else:
+                    print(f"store_bench --hosts: no NIXL rows: {nixl_peer.available()}", file=sys.stderr)
             if tls:
                 raw_tls = store_host.popen(
                     [sys.executable, "-c", _ROLE, "raw-server", str(RAW_PORT + 1), str(max_bytes),
@@ -373,7 +415,8 @@ def run(sizes: list[int], batches: list[int], *, iters: int, cap: int, memory: s
                    "raw": f"{store_host.address}:{RAW_PORT}",
                    "raw_tls": f"{store_host.address}:{RAW_PORT + 1}", "cases": cases, "iters": iters,
                    "seed": seed, "handoff": handoff, "tls": tls, "transport": transport,
-                   "pids": {"store": daemon.pid, "raw": raw.pid} if transport == "ucx" else None}
+                   "pids": {"store": daemon.pid, "raw": raw.pid, "nixl": nixl_pid} if transport == "ucx" else None,
+                   "nixl": nixl_info, "max_bytes": max_bytes}
             client = client_host.popen([sys.executable, "-c", _ROLE, "client", json.dumps(cfg)],
                                        env={**env, **client_env}, cwd=REPO, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)

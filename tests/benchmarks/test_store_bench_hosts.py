@@ -63,3 +63,28 @@ def test_hosts_2_tls_against_a_plain_and_a_tls_raw_socket(hosts, tmp_path):
     for row in res["results"]:
         for key in ("get_vs_raw", "get_vs_raw_tls", "put_vs_raw_tls", "raw_tls_get_gbps"):
             assert row[key] > 0, (key, row)
+
+
+def test_hosts_2_ucx_against_our_tcp_a_raw_socket_and_nixl(hosts, tmp_path):
+    """``--transport ucx``: the timed client moves blocks over UCX, a TCP client and the raw
+    socket beside it, and NIXL's one-sided READs and WRITEs of the same bytes between the same
+    hosts (set-up installs nixl-cu12), each with its server's CPU-seconds per GB."""
+    from benchmarks import nixl_peer
+    from kvstore.net import ucx
+
+    if ucx.available() is not None or nixl_peer.available() is not None:
+        pytest.skip(f"needs ucxx and nixl-cu12: {ucx.available() or nixl_peer.available()}")
+    hosts(1).close()
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--hosts", "2",
+                        "--transport", "ucx", "--no-handoff", "--quick", "--iters", "1",
+                        "--memory", "64M", "--max-batch-bytes", str(1 << 20), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["transport"] == "ucx"
+    for row in res["results"]:
+        for key in ("get_gbps", "tcp_get_gbps", "raw_get_gbps", "nixl_get_gbps", "nixl_put_gbps",
+                    "get_vs_tcp", "get_vs_nixl", "put_vs_nixl"):
+            assert row[key] > 0, (key, row)
+        assert row["get_cpu_s_per_gb"] >= 0 and row["nixl_get_cpu_s_per_gb"] >= 0
+    assert {"get_vs_nixl", "put_vs_nixl"} <= set(res["ratios"]["360 KiB x 2"])
