@@ -12,13 +12,15 @@ reserved there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 from engine.api.events import LoadFigures
 from engine.api.generate import RequestStats, WorkerInfo
 from router.workers.fit import Ewma, LinearCost, RateConfig
 
-__all__ = ["Assignment", "WorkerLoad"]
+__all__ = ["Assignment", "WorkerLoad", "peer_priors"]
 
 
 @dataclass(eq=False, slots=True)
@@ -129,3 +131,24 @@ class WorkerLoad:
         used = max(total - self.figures.kv_free_blocks if self.figures.kv_total_blocks else 0,
                    self.reserved_blocks)
         return max(0, total - used)
+
+
+def peer_priors(rates: RateConfig, peers: Iterable[WorkerLoad]) -> RateConfig:
+    """A joining worker's priors: the median of what its peers' costs learned (those that have
+    samples), else ``rates``. Its peers are the workers of its namespace (the same model,
+    dtype and block size). Without this, a worker that joins a warm pool (a restart, a
+    scale-up) is priced at the generic priors while its peers are priced at what they
+    measured; where the model is faster than the priors say, the kv-aware choice never picks
+    it, so it never measures itself: it starves. It learns its own costs from its first
+    samples as any worker does."""
+    peers = list(peers)
+    pre = [p.prefill_cost for p in peers if p.prefill_cost.samples]
+    lo = [p.load_cost for p in peers if p.load_cost.samples]
+    out = rates
+    if pre:
+        out = replace(out, prefill_tokens_per_s=1.0 / statistics.median(c.per_token_s for c in pre),
+                      prefill_overhead_s=statistics.median(c.overhead_s for c in pre))
+    if lo:
+        out = replace(out, load_tokens_per_s=1.0 / statistics.median(c.per_token_s for c in lo),
+                      load_overhead_s=statistics.median(c.overhead_s for c in lo))
+    return out

@@ -7,6 +7,8 @@ and a task following the worker's event stream into the shared :class:`KvIndex`.
 
 - A worker that registers is usable as soon as the watch reports it (the watch thread wakes
   the pool's loop; a poll every ``poll_interval`` backs it up): well within a second.
+- A worker that joins starts from its peers' learned costs (``peer_priors``), not the generic
+  priors, so a restarted or added worker is not starved by peers priced at what they measured.
 - A worker whose key disappears (closed, or its lease expired) is dropped: its event task is
   cancelled, its blocks leave the index, its client is closed.
 - A member whose value changes (a restart at a new address) is replaced; one whose value
@@ -41,7 +43,7 @@ from engine.api.generate import ApiValidationError, WorkerInfo
 from router.workers.client import WorkerClient
 from router.workers.fit import RateConfig
 from router.workers.kv_index import KvIndex
-from router.workers.load import WorkerLoad
+from router.workers.load import WorkerLoad, peer_priors
 
 __all__ = ["MembershipSource", "StaticMembership", "WorkerHandle", "WorkerPool"]
 
@@ -290,7 +292,8 @@ class WorkerPool:
 
     def _add(self, info: WorkerInfo) -> None:
         client = WorkerClient(info, timeout=self._client_timeout, headers=self._headers)
-        load = WorkerLoad(info, self._rates)
+        peers = (h.load for h in self._workers.values() if h.info.namespace == info.namespace)
+        load = WorkerLoad(info, peer_priors(self._rates, peers))
         self.index.add_worker(info.worker_id)
         task = asyncio.create_task(client.follow_events(self.index, load.observe_load),
                                    name=f"events:{info.worker_id}")

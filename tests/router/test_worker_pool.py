@@ -165,6 +165,49 @@ def test_a_worker_joining_at_a_held_address_supersedes_the_stale_registration(
     _run(body)
 
 
+def test_a_worker_joining_a_warm_pool_starts_from_its_peers_costs_and_is_chosen(
+        etcd_server, unique_prefix: str) -> None:
+    # A restarted worker joins next to one that learned it prefills 40 tokens in 2 ms. Priced at
+    # the generic priors (10 ms + 40 tokens at 2,000/s = 30 ms), the kv-aware choice would keep
+    # picking the warm one even with a prefill booked there, and the newcomer never measured.
+    from engine.api.generate import RequestStats
+    from kvstore.coord.registration import register
+    from router.placement.prefill import PrefillPolicy
+
+    server = etcd_server()
+    cluster = unique_prefix.strip("/")
+
+    async def body() -> None:
+        warm, fresh = await FakeWorker("warm").start(), await FakeWorker("fresh").start()
+        pool = await WorkerPool.from_etcd(server.url, cluster).start()
+        regs = []
+        try:
+            regs.append(await asyncio.to_thread(lambda: register(
+                server.url, cluster, "workers", "warm", warm.info.to_etcd_value(), ttl=30.0)))
+            await _until(lambda: pool.get("warm") is not None)
+            for n in (40, 40, 80, 40, 120):
+                pool.get("warm").load.observe_stats(RequestStats(computed_prompt_tokens=n, prefill_s=0.001 + n * 2.5e-5))
+            learned = pool.get("warm").load.prefill_cost
+            regs.append(await asyncio.to_thread(lambda: register(
+                server.url, cluster, "workers", "fresh", fresh.info.to_etcd_value(), ttl=30.0)))
+            await _until(lambda: pool.get("fresh") is not None)
+            cost = pool.get("fresh").load.prefill_cost
+            assert cost.samples == 0
+            assert cost.seconds(40) == pytest.approx(learned.seconds(40), rel=1e-6)
+            pool.get("warm").load.assign(prefill_tokens=40)     # one prefill booked on the warm one
+            chosen = PrefillPolicy("kv-aware", pool.index).choose(
+                [pool.get("warm").load, pool.get("fresh").load], KEYS[:10], 40)
+            assert chosen is not None and chosen[0].worker_id == "fresh"
+        finally:
+            for reg in regs:
+                await asyncio.to_thread(reg.close)
+            await pool.close()
+            await warm.stop()
+            await fresh.stop()
+
+    _run(body)
+
+
 def test_worker_info_etcd_value_round_trips() -> None:
     from engine.api.generate import WorkerInfo
 
