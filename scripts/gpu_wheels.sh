@@ -14,10 +14,19 @@
 #   typing-extensions              pydantic-core wants a newer one than some images hold
 # Each wheel is fetched with --no-deps, so this list is the whole bundle (one version each).
 # The bundle must stay under 60 MiB with everything else that travels; it prints its size.
+#
+#   bash scripts/gpu_wheels.sh          # the check's wheels, into .gpu_wheels/
+#   bash scripts/gpu_wheels.sh --ucx    # only ucxx's CUDA 13 closure, into .gpu_wheels_ucx/
+#
+# --ucx: the ucx_cuda section's own device run (UCX's CUDA transports between two processes).
+# ucxx is not in the image and its closure, UCX_WHEELS below (~51 MiB; cuda-core and
+# nvidia-ml-py are in the image), does not fit beside the wheels above, so it travels alone:
+# carry .gpu_wheels_ucx and run
+#   GPU_WHEELS_DIR=.gpu_wheels_ucx bash scripts/gpu_check.sh --sections env ucx_cuda
+# (libucxx 0.52 wants libucx <1.22). GPU_WHEELS_DIR, if set, names the directory either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEST=${GPU_WHEELS_DIR:-.gpu_wheels}
 WHEELS=(
     fastapi==0.165.0
     starlette==1.10.0
@@ -30,6 +39,20 @@ WHEELS=(
     typing-extensions==4.16.0
     lmdb==3.0.0
 )
+UCX_WHEELS=(
+    ucxx-cu13==0.52.0
+    libucxx-cu13==0.52.0
+    libucx-cu13==1.21.0
+    rmm-cu13==26.10.0
+    librmm-cu13==26.10.0
+    rapids-logger==0.3.0
+)
+DEST=${GPU_WHEELS_DIR:-.gpu_wheels}
+case "${1:-}" in
+    "") ;;
+    --ucx) WHEELS=("${UCX_WHEELS[@]}"); DEST=${GPU_WHEELS_DIR:-.gpu_wheels_ucx} ;;
+    *) echo "usage: bash scripts/gpu_wheels.sh [--ucx]" >&2; exit 2 ;;
+esac
 PIP=${PIP:-python3 -m pip}
 if [ -x .venv/bin/pip ]; then PIP=.venv/bin/pip; fi
 PLATFORMS=()

@@ -5,7 +5,9 @@ under ``--cpu-selftest`` (tiny sizes on CPU) over the sections that need neither
 nor worker processes, which run in seconds: the CUDA-only ones must say unsupported, the others
 pass, and the report and log must be written. The rest (greedy against transformers, the
 figures against transformers, the disaggregated workers, the profile) take 20 s to minutes
-here; their selftest runs by hand: ``python -m benchmarks.gpu_check --cpu-selftest``.
+here; their selftest runs by hand: ``python -m benchmarks.gpu_check --cpu-selftest``. The
+``ucx_cuda`` section runs on its own under the selftest (a child process, ucxx over host
+memory), as does the ``--ucx`` wheel list of scripts/gpu_wheels.sh.
 """
 
 from __future__ import annotations
@@ -118,12 +120,78 @@ def test_the_cpu_selftest_runs_the_driver_end_to_end(tmp_path):
     assert ".venv/bin/python" in r.stdout  # the script's own line, before the driver's
 
 
-def test_the_wheel_list_pins_one_version_of_each_missing_package():
+def _wheel_list(name: str) -> list[str]:
+    """The pins of the bash array ``name=( ... )`` in scripts/gpu_wheels.sh."""
     text = (REPO / "scripts" / "gpu_wheels.sh").read_text()
-    pins = [line.strip() for line in text.splitlines() if "==" in line and not line.lstrip().startswith("#")]
+    body = text.split(f"\n{name}=(\n", 1)[1].split("\n)\n", 1)[0]
+    return [line.strip() for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_wheel_list_pins_one_version_of_each_missing_package():
+    pins = _wheel_list("WHEELS")
     names = [p.split("==")[0] for p in pins]
+    assert all("==" in p for p in pins)
     assert len(names) == len(set(names)) and {"fastapi", "uvicorn", "pydantic", "lmdb"} <= set(names)
     assert (REPO / ".gitignore").read_text().count("/.gpu_wheels/") == 1
+
+
+def test_the_ucx_wheel_list_is_ucxx_cuda13_closure_and_nothing_else():
+    """``gpu_wheels.sh --ucx``: the six pinned wheels of ucxx's CUDA 13 closure (~51 MiB, a
+    device run of their own), none of the check's other wheels, into their own ignored folder."""
+    assert _wheel_list("UCX_WHEELS") == [
+        "ucxx-cu13==0.52.0", "libucxx-cu13==0.52.0", "libucx-cu13==1.21.0", "rmm-cu13==26.10.0",
+        "librmm-cu13==26.10.0", "rapids-logger==0.3.0"]
+    text = (REPO / "scripts" / "gpu_wheels.sh").read_text()
+    assert "--ucx) WHEELS=(\"${UCX_WHEELS[@]}\"); DEST=${GPU_WHEELS_DIR:-.gpu_wheels_ucx}" in text
+    assert (REPO / ".gitignore").read_text().count("/.gpu_wheels_ucx/") == 1
+    from benchmarks.gpu_check.cli import SECTIONS
+
+    assert SECTIONS.index("ucx_cuda") == SECTIONS.index("cuda_ipc") + 1
+
+
+def test_the_ucx_cuda_section_says_how_to_get_ucxx_where_it_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    from benchmarks.gpu_check import ucx_cuda
+
+    with pytest.raises(Unsupported, match="no CUDA"):
+        ucx_cuda.run(Ctx(device="cpu", selftest=False, work=tmp_path, out=tmp_path, log_file=None), {})
+    monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)  # import fails, as in the image
+    with pytest.raises(Unsupported, match=r"gpu_wheels\.sh --ucx.*GPU_WHEELS_DIR=\.gpu_wheels_ucx"):
+        ucx_cuda.run(_ctx(tmp_path), {})
+
+
+@pytest.mark.integration  # starts the sending child process
+def test_the_ucx_cuda_section_moves_seeded_blocks_between_processes_under_the_selftest(tmp_path):
+    """The whole protocol on host memory with the CUDA 12 ucxx .venv holds: a child, its
+    endpoint to this process's worker, tagged messages, the bit-exact check, the timing."""
+    from benchmarks.gpu_check import ucx_cuda
+    from kvstore.net import ucx
+
+    if ucx.available() is not None:
+        pytest.skip(ucx.available())
+    ctx = _ctx(tmp_path)
+    report = run_sections([Section("ucx_cuda", 40, ucx_cuda.run)], ctx, budget_s=60.0, head={})
+    row = report["sections"][0]
+    assert row["status"] == "pass", (row["reason"], row["details"].get("traceback"))
+    rec = row["details"]
+    assert rec["blocks"] == ucx_cuda.SELFTEST_BLOCKS and rec["memory"].startswith("host")
+    assert rec["bit_exact"] is True and rec["bit_exact_after_timing"] is True
+    assert all(rec[k] > 0 for k in ("ucx_s", "ucx_gbps", "d2d_s", "d2d_gbps", "ucx_over_d2d"))
+    assert rec["child_exit"] == 0 and rec["ucx_proto_lines"] and rec["ucx_transports"]["host"]
+
+
+def test_the_ucx_cuda_section_reads_the_transports_from_ucxs_protocol_tables():
+    from benchmarks.gpu_check.ucx_cuda import _transports
+
+    lines = ["| ucp_context_0 intra-node cfg#0 | tagged message by ucp_tag_send* from host memory |",
+             "|                 0 | eager short                                | tcp/lo |",
+             "|        16353..inf | (?) rendezvous fragmented copy-in copy-out | tcp/lo |",
+             "| ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from cuda/GPU0 |",
+             "|            0..8K | eager copy-in | cuda_copy/cuda |",
+             "|           8K..inf | rendezvous zero-copy read from remote | 50% on cuda_ipc/cuda and "
+             "50% on rc_mlx5/mlx5_0:1 |"]
+    assert _transports(lines) == {"host": ["tcp"], "cuda": ["cuda_copy", "cuda_ipc", "rc_mlx5"]}
 
 
 # Tests that name CUDA without needing it: they check what happens where CUDA is absent.

@@ -2,6 +2,8 @@
 
     bash scripts/gpu_check.sh [--out DIR]              # on a CUDA machine (offline: .gpu_wheels/)
     .venv/bin/python -m benchmarks.gpu_check --cpu-selftest --out DIR   # the same driver on CPU
+    GPU_WHEELS_DIR=.gpu_wheels_ucx bash scripts/gpu_check.sh --sections env ucx_cuda
+                                  # UCX's own run (wheels: scripts/gpu_wheels.sh --ucx)
 
 Sections, in order (``--sections``/``--skip`` choose; ``python -m benchmarks.gpu_check --list``):
 
@@ -22,6 +24,10 @@ store_load        30  124 blocks (87 MiB) into a CUDA paged cache vs CPU verify 
 decode_tps        50  decode tokens/s at batch 1/32/128, ours vs transformers, bf16
 prefill_tps       30  prefill tokens/s at 512/4096 tokens, ours vs transformers, bf16
 cuda_ipc          30  hook: the transports issue's CUDA IPC check (benchmarks.gpu_check.hooks)
+ucx_cuda          40  124 blocks from CUDA tensors in a child process into this one's as ucxx
+                      tagged messages, bit-exact, vs an in-process device copy, and the UCX
+                      transports used (benchmarks.gpu_check.ucx_cuda); ucxx is not in the
+                      device image: a run of its own, ``scripts/gpu_wheels.sh --ucx``
 profile          240  hook: ``kvengine profile`` on SmolLM2-, then Llama-3-8B-shaped models,
                       with whatever time the budget has left
 ==============  ====  =============================================================

@@ -16,7 +16,7 @@ __all__ = ["SECTIONS", "build_parser", "main"]
 
 def _sections() -> list[Section]:
     from benchmarks.gpu_check import correctness as c
-    from benchmarks.gpu_check import disagg, figures, hooks
+    from benchmarks.gpu_check import disagg, figures, hooks, ucx_cuda
 
     def doc(fn) -> str:
         return (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
@@ -36,6 +36,9 @@ def _sections() -> list[Section]:
         Section("prefill_tps", 30, figures.prefill_tps, doc="prefill tokens/s, ours vs transformers"),
         Section("cuda_ipc", 30, hooks.cuda_ipc, cuda_only=True, doc="hook: the transports issue's "
                 "CUDA IPC check"),
+        Section("ucx_cuda", 40, ucx_cuda.run, doc="124 KV blocks from CUDA tensors in a child "
+                "process into this one's as ucxx tagged messages vs an in-process copy; its own "
+                "device run (scripts/gpu_wheels.sh --ucx)"),
         Section("profile", 240, hooks.profile, doc="hook: kvengine profile on SmolLM2- and "
                 "Llama-3-8B-shaped random models, with the time left"),
     ]
@@ -43,7 +46,7 @@ def _sections() -> list[Section]:
 
 # The names, in order, without importing the sections (torch, transformers) for --help.
 SECTIONS = ["env", "triton_kernel", "engine_greedy", "staging", "gpu_tier", "client_cuda", "disagg",
-            "store_load", "decode_tps", "prefill_tps", "cuda_ipc", "profile"]
+            "store_load", "decode_tps", "prefill_tps", "cuda_ipc", "ucx_cuda", "profile"]
 
 
 def build_parser() -> argparse.ArgumentParser:
