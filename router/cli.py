@@ -180,36 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_SCALING_FLAGS = (   # (flag, ScalingConfig field, help)
-    ("--scale-ttft-target", "ttft_target_s", "the prefill pool's objective: predicted TTFT, seconds"),
-    ("--scale-itl-target", "itl_target_s", "the decode pool's objective: mean inter-token latency, seconds"),
-    ("--scale-kv-target", "kv_target", "the decode pool's objective: KV-cache utilization (0..1)"),
-    ("--scale-down-ratio", "down_ratio", "a pool loses a worker when its pressure without it stays at most this"),
-    ("--scale-prefill-share", "prefill_share_target", "the colocated state's objective: the share of the "
-                                                      "decode workers' time prefill may take before a "
-                                                      "prefill worker is split off (auto mode)"),
-    ("--scale-up-for", "up_for_s", "seconds a proposal of more workers must stand before it is desired"),
-    ("--scale-down-for", "down_for_s", "seconds a proposal of fewer workers must stand"),
-    ("--scale-cooldown", "cooldown_s", "seconds nothing moves after a pool's count or desired count changed"),
-    ("--scale-window", "window_s", "seconds the inter-token latency is averaged over"),
-    ("--scale-interval", "interval_s", "seconds between the router's evaluations"),
-)
-
-
 def _add_scaling_flags(p: argparse.ArgumentParser) -> None:
-    from router.scaling.policy import ScalingConfig
+    from router.scaling.policy import SCALING_FLAGS, ScalingConfig
 
     d = ScalingConfig()
     g = p.add_argument_group("scaling signals (router.scaling: GET /admin/scaling, kvrouter_pool_* gauges)")
-    for flag, name, text in _SCALING_FLAGS:
+    for flag, name, text in SCALING_FLAGS:
         g.add_argument(flag, type=float, default=None, dest=name, metavar="S" if name.endswith("_s") else "X",
                        help=f"{text} (default {getattr(d, name):g})")
 
 
 def _scaling_config(args: argparse.Namespace) -> "ScalingConfig":
-    from router.scaling.policy import ScalingConfig
+    from router.scaling.policy import SCALING_FLAGS, ScalingConfig
 
-    return ScalingConfig(**{name: getattr(args, name) for _f, name, _h in _SCALING_FLAGS
+    return ScalingConfig(**{name: getattr(args, name) for _f, name, _h in SCALING_FLAGS
                             if getattr(args, name) is not None})
 
 
@@ -217,7 +201,9 @@ def _scaling_argv(args: argparse.Namespace) -> tuple[str, ...]:
     """The ``--scale-*`` and ``--balance-*`` flags given to ``up``, for its router's command line."""
     balance = tuple(x for flag, name in (("--balance-abs", "balance_abs"), ("--balance-rel", "balance_rel"))
                     if getattr(args, name) is not None for x in (flag, str(getattr(args, name))))
-    return balance + tuple(x for flag, name, _h in _SCALING_FLAGS if getattr(args, name) is not None
+    from router.scaling.policy import SCALING_FLAGS
+
+    return balance + tuple(x for flag, name, _h in SCALING_FLAGS if getattr(args, name) is not None
                            for x in (flag, repr(getattr(args, name))))
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from engine.api.blocks import blocks_needed
 from kvstore.keys import BlockKey, block_keys, salted
 from planner.metrics import RequestResult
+from planner.sim.autoscale import SimAutoscaler
 from planner.sim.config import ClusterConfig
 from planner.sim.costs import StepCosts
 from planner.sim.store import SimStore
@@ -90,6 +91,7 @@ class RunResult:
     store_hit_tokens: int
     computed_prompt_tokens: int
     events: int
+    autoscale_actions: list[dict[str, Any]] = field(default_factory=list)  # what the autoscaler did
 
 
 class SimCluster:
@@ -107,19 +109,32 @@ class SimCluster:
         self.store = SimStore.of_bytes(config.store_memory_bytes, block_bytes)
         self.index = KvIndex()
         self.policy = PrefillPolicy(config.policy, self.index)  # type: ignore[arg-type]
-        counts: dict[str, int] = defaultdict(int)
+        self._costs_for = costs_for
+        self._counts: dict[str, int] = defaultdict(int)
         self.workers: dict[str, SimWorker] = {}
         for spec in specs:
-            wid = f"{spec.role}-{counts[spec.role]}"
-            counts[spec.role] += 1
-            self.workers[wid] = SimWorker(wid, spec, costs_for(spec), self.store, self.index,
-                                          NAMESPACE, schedule=self.at, on_tokens=self._tokens,
-                                          on_finished=self._phase_done)
+            self.add_worker(spec)
         self.block_size = specs[0].block_size
         self.routes: dict[str, int] = defaultdict(int)
         self.stats = {"device": 0, "store": 0, "computed": 0}
         self._on_complete: Callable[[Choice, float], None] = lambda c, t: None
         self.closed = False
+        self.autoscaler = (None if config.autoscale is None else
+                           SimAutoscaler(self, config.autoscale, lambda role: self.add_worker(config.spec_of(role))))
+
+    # --- the fleet -----------------------------------------------------------------------
+    def add_worker(self, spec: WorkerSpec) -> SimWorker:
+        wid = f"{spec.role}-{self._counts[spec.role]}"
+        self._counts[spec.role] += 1
+        w = self.workers[wid] = SimWorker(wid, spec, self._costs_for(spec), self.store, self.index,
+                                          NAMESPACE, schedule=self.at, on_tokens=self._tokens,
+                                          on_finished=self._phase_done)
+        return w
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A stopped worker: gone from the router's pools and its index."""
+        self.workers.pop(worker_id)
+        self.index.remove_worker(worker_id)
 
     # --- the clock ---------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -136,8 +151,8 @@ class SimCluster:
 
     # --- the router --------------------------------------------------------------------
     def _handles(self, can: str) -> list[Any]:
-        return [w.handle for w in self.workers.values()
-                if (w.info.can_prefill if can == "prefill" else w.info.can_decode)]
+        return [w.handle for w in self.workers.values() if not w.info.draining
+                and (w.info.can_prefill if can == "prefill" else w.info.can_decode)]
 
     def submit(self, bench: BenchRequest, t: float, result: RequestResult) -> Choice:
         """The client sends ``bench`` at ``t`` (the router has it ``hop_s`` later)."""
@@ -213,6 +228,8 @@ class SimCluster:
             r.ttft_s = t - c.sent_at
         elif c.last_token_at is not None:
             r.itl_s.append(t - c.last_token_at)
+            if self.autoscaler is not None:
+                self.autoscaler.observe_itl(t - c.last_token_at)
         c.delivered += 1
         c.last_token_at = t
 
@@ -270,10 +287,17 @@ class SimCluster:
         results: list[RequestResult] = []
         live: dict[str, Choice] = {}
         backlog: list[tuple[BenchRequest, float]] = []
-        state = {"last": t0}
+        state = {"last": t0, "left": len(requests)}
+
+        def settled() -> None:   # one request is done with: the autoscaler stops after the last
+            state["left"] -= 1
+            if state["left"] <= 0 and self.autoscaler is not None:
+                self.autoscaler.stop()
 
         def send(req: BenchRequest, at: float) -> None:
             if at - t0 > max_duration_s:
+                for _ in range(1 + _followers_of(req.request_id, followers)):
+                    settled()
                 return
             if max_concurrency and len(live) >= max_concurrency:
                 backlog.append((req, at))
@@ -287,6 +311,7 @@ class SimCluster:
                 return
             results.append(c.result)
             state["last"] = max(state["last"], t)
+            settled()
             for f in followers.get(c.request_id, ()):
                 at = t + f.delay_s
                 self.at(at, lambda f=f, at=at: send(f, at))
@@ -295,6 +320,8 @@ class SimCluster:
                 self.at(t, lambda: send(req, at))
 
         self._on_complete = complete
+        if self.autoscaler is not None and requests:
+            self.autoscaler.start()
         for r in requests:
             if r.after is None:
                 at = t0 + r.arrival_s
@@ -311,8 +338,19 @@ class SimCluster:
             self._heap.clear()   # what the workers were doing dies with the run
             self.closed = True
         self._on_complete = lambda c, t: None
+        acted: list[dict[str, Any]] = []
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+            acted = [{**a, "started": a["started"] - t0, "t": a["t"] - t0}
+                     for a in self.autoscaler.timeline if a["kind"] == "action" and a["started"] >= t0]
         return RunResult(
             results, state["last"] - t0, len(requests) - len(results), dict(self.routes),
             {w: s.busy_s for w, s in self.workers.items()},
             {w: s.steps for w, s in self.workers.items()},
-            self.stats["device"], self.stats["store"], self.stats["computed"], self.events)
+            self.stats["device"], self.stats["store"], self.stats["computed"], self.events, acted)
+
+
+def _followers_of(request_id: str, followers: dict[str, list[BenchRequest]]) -> int:
+    """How many requests follow ``request_id``, transitively (none of them is ever sent once it
+    is not)."""
+    return sum(1 + _followers_of(f.request_id, followers) for f in followers.get(request_id, ()))

@@ -5,9 +5,11 @@ router's mode and prefill policy, each pool's engine settings (:class:`WorkerSpe
 store's memory. :func:`from_up_flags` reads the flags a ``kvrouter up`` command line takes
 (the ones ``benchmarks.compare`` uses: ``--mode``, ``--prefill``, ``--decode``,
 ``--threads-per-worker``, ``--store-memory``, ``--policy``, ``--auto-threshold``,
-``--balance-abs``, ``--balance-rel`` and the
-engine's own through ``--worker-arg=``: ``--num-blocks``, ``--max-num-batched-tokens``,
-``--max-num-seqs``, ``--no-chunked-prefill``, ``--block-size``, ``--max-model-len``), and
+``--balance-abs``, ``--balance-rel``, ``--autoscale`` with ``--max-workers``,
+``--autoscale-interval`` and the router's ``--scale-*`` (``planner.sim.autoscale``; mode
+``auto`` by default with it, as ``kvrouter up`` does), and the engine's own through
+``--worker-arg=``: ``--num-blocks``, ``--max-num-batched-tokens``, ``--max-num-seqs``,
+``--no-chunked-prefill``, ``--block-size``, ``--max-model-len``), and
 :meth:`ClusterConfig.up_command` writes one back.
 """
 
@@ -18,8 +20,10 @@ import re
 import shlex
 from dataclasses import dataclass, field, replace
 
+from planner.sim.autoscale import SimAutoscale
 from planner.sim.worker import WorkerSpec
 from router.placement.balance import Balance
+from router.scaling.policy import SCALING_FLAGS, ScalingConfig
 
 __all__ = ["ClusterConfig", "from_up_flags", "parse_bytes"]
 
@@ -52,6 +56,7 @@ class ClusterConfig:
     store_memory_bytes: int = 512 << 20
     salt_per_request: bool = False  # every request its own cache_salt: no prefix reuse
     hop_s: float = 0.0  # one router -> worker (or worker -> router) message's latency
+    autoscale: SimAutoscale | None = None  # kvrouter up --autoscale (planner.sim.autoscale)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +72,10 @@ class ClusterConfig:
     def workers(self) -> int:
         return self.colocated if self.mode == "colocated" else self.prefill + self.decode
 
+    def spec_of(self, role: str) -> WorkerSpec:
+        """The engine settings of a worker started (or changed) into ``role``."""
+        return {"prefill": self.prefill_spec, "decode": self.decode_spec}.get(role, self.colocated_spec)
+
     def specs(self) -> list[WorkerSpec]:
         """One spec per worker, prefill workers first."""
         if self.mode == "colocated":
@@ -79,8 +88,12 @@ class ClusterConfig:
             chunk = f"chunk {s.max_num_batched_tokens}" if s.enable_chunked_prefill else "no chunking"
             return f"colocated x{self.colocated} ({chunk})"
         if self.mode == "auto" and self.prefill == 0:
-            return f"colocated x{self.decode} (auto, no prefill pool)"
-        return f"{self.prefill}P:{self.decode}D" + (" auto" if self.mode == "auto" else "")
+            label = f"colocated x{self.decode} (auto, no prefill pool)"
+        else:
+            label = f"{self.prefill}P:{self.decode}D" + (" auto" if self.mode == "auto" else "")
+        if self.autoscale is not None:
+            label += f", autoscaled within {self.autoscale.max_workers}"
+        return label
 
     def up_command(self, model: str = "default", port: int = 8000) -> str:
         """The ``kvrouter up`` command that starts this configuration for real (a fleet of
@@ -107,6 +120,11 @@ class ClusterConfig:
             argv += ["--auto-threshold", str(self.auto_threshold)]
         if self.mode == "colocated":
             argv += self._balance_flags()
+        if self.autoscale is not None:
+            a, dc = self.autoscale, ScalingConfig()
+            argv += ["--autoscale", "--max-workers", str(a.max_workers), "--autoscale-interval", f"{a.interval_s:g}"]
+            argv += [x for flag, name, _h in SCALING_FLAGS if getattr(a.scaling, name) != getattr(dc, name)
+                     for x in (flag, f"{getattr(a.scaling, name):g}")]
         d = WorkerSpec()
         argv.append(f"--worker-arg=--num-blocks={spec.num_blocks}")
         if spec.max_num_batched_tokens != d.max_num_batched_tokens:
@@ -140,7 +158,7 @@ def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
                   max_model_len: int = 2048) -> ClusterConfig:
     """A configuration from ``kvrouter up`` flags (unknown ones, like CPU pinning, ignored)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--mode", default="disaggregated", choices=MODES)
+    p.add_argument("--mode", default=None, choices=MODES)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--threads-per-worker", type=int, default=1)
@@ -150,7 +168,19 @@ def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
     p.add_argument("--balance-abs", type=int, default=Balance().abs_requests)
     p.add_argument("--balance-rel", type=float, default=Balance().rel)
     p.add_argument("--worker-arg", action="append", default=[])
+    p.add_argument("--autoscale", action="store_true")
+    p.add_argument("--max-workers", type=int, default=None)
+    p.add_argument("--autoscale-interval", type=float, default=2.0)
+    for flag, field_name, _h in SCALING_FLAGS:
+        p.add_argument(flag, type=float, default=None, dest=field_name)
     args, _ = p.parse_known_args(shlex.split(flags))
+    args.mode = args.mode or ("auto" if args.autoscale else "disaggregated")
+    autoscale = None
+    if args.autoscale:
+        scaling = ScalingConfig(**{f: getattr(args, f) for _flag, f, _h in SCALING_FLAGS
+                                   if getattr(args, f) is not None})
+        autoscale = SimAutoscale(scaling, args.max_workers or args.prefill + args.decode,
+                                 args.autoscale_interval)
     w, _ = _worker_parser().parse_known_args(args.worker_arg)
     base = WorkerSpec(max_model_len=max_model_len, threads=args.threads_per_worker)
     changes = {k: v for k, v in (("num_blocks", w.num_blocks), ("block_size", w.block_size),
@@ -167,4 +197,5 @@ def from_up_flags(name: str, flags: str, *, salt_per_request: bool = False,
         prefill_spec=replace(base, role="prefill"), decode_spec=replace(base, role="decode"),
         colocated_spec=replace(base, role="colocated"), policy=args.policy,
         auto_threshold=args.auto_threshold, balance=Balance(args.balance_abs, args.balance_rel),
-        store_memory_bytes=parse_bytes(args.store_memory), salt_per_request=salt_per_request)
+        store_memory_bytes=parse_bytes(args.store_memory), salt_per_request=salt_per_request,
+        autoscale=autoscale)

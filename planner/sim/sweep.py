@@ -111,7 +111,8 @@ def simulate_config(config: ClusterConfig, profiles: Profiles, args: argparse.Na
                        "device_hit_tokens": pt.run.device_hit_tokens,
                        "store_hit_tokens": pt.run.store_hit_tokens,
                        "computed_prompt_tokens": pt.run.computed_prompt_tokens,
-                       "prewarm_sent": len(wl.prewarm)}}
+                       "prewarm_sent": len(wl.prewarm),
+                       **({"autoscale_actions": pt.run.autoscale_actions} if config.autoscale else {})}}
         points.append(rec)
         if on_point:
             on_point(rec)

@@ -22,6 +22,7 @@ client does) and its device cache in the router's ``KvIndex`` (block events appl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -175,6 +176,11 @@ class SimWorker:
         self.spec = WorkerSpec(**{**self.spec.__dict__, "role": role})
         self.info = WorkerInfo(self.worker_id, self.info.address, role, "sim", self.namespace,
                                self.spec.block_size, self.spec.num_blocks, self.spec.max_model_len)
+        self.load.info = self.handle.info = self.info
+
+    def set_draining(self, draining: bool) -> None:
+        """Marked draining (a role change or a stop under way), the router sends it nothing."""
+        self.info = dataclasses.replace(self.info, draining=draining)
         self.load.info = self.handle.info = self.info
 
     # --- requests --------------------------------------------------------------------------

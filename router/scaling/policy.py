@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from router.scaling.signals import POOLS, Pool, PoolSignals
 
-__all__ = ["ScalingConfig", "PoolPolicy", "Planner", "Decision", "pressures", "merged_share"]
+__all__ = ["ScalingConfig", "SCALING_FLAGS", "PoolPolicy", "Planner", "Decision", "pressures", "merged_share"]
 
 Direction = Literal[-1, 0, 1]
 
@@ -75,6 +75,22 @@ class ScalingConfig:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SCALING_FLAGS = (   # (flag, ScalingConfig field, help): kvrouter serve/up's --scale-*, kvplan's too
+    ("--scale-ttft-target", "ttft_target_s", "the prefill pool's objective: predicted TTFT, seconds"),
+    ("--scale-itl-target", "itl_target_s", "the decode pool's objective: mean inter-token latency, seconds"),
+    ("--scale-kv-target", "kv_target", "the decode pool's objective: KV-cache utilization (0..1)"),
+    ("--scale-down-ratio", "down_ratio", "a pool loses a worker when its pressure without it stays at most this"),
+    ("--scale-prefill-share", "prefill_share_target", "the colocated state's objective: the share of the "
+                                                      "decode workers' time prefill may take before a "
+                                                      "prefill worker is split off (auto mode)"),
+    ("--scale-up-for", "up_for_s", "seconds a proposal of more workers must stand before it is desired"),
+    ("--scale-down-for", "down_for_s", "seconds a proposal of fewer workers must stand"),
+    ("--scale-cooldown", "cooldown_s", "seconds nothing moves after a pool's count or desired count changed"),
+    ("--scale-window", "window_s", "seconds the inter-token latency is averaged over"),
+    ("--scale-interval", "interval_s", "seconds between the router's evaluations"),
+)
 
 
 def pressures(signals: dict[Pool, PoolSignals], config: ScalingConfig) -> dict[Pool, float]:
