@@ -32,10 +32,19 @@ the same KV blocks in all (``--num-blocks`` a worker, twice that for the single 
 - ``colocated_1x2``: ``--mode colocated``, one worker of two threads;
 - ``disagg_1p1d``: 1 prefill + 1 decode worker, ``--mode disaggregated``;
 - ``auto_1p1d``: the same in ``--mode auto`` (short prompts prefill on their decode worker);
-- ``autoscaled``: ``--autoscale --max-workers 2``, starting as 1P+1D in ``--mode auto``; the
-  router's objectives follow the SLOs (``--scale-ttft-target`` the TTFT objective at the huge
-  prompt, ``--scale-itl-target`` ``--itl-target-share`` x the TPOT objective) with the
-  ``--scale-*`` timings below.
+- ``autoscaled``: ``--autoscale --max-workers 2`` in ``--mode auto``, starting in the
+  colocated state (two decode workers, no prefill pool: what ``kvplan recommend`` recommends
+  for this machine, and the layout a cluster is rolled back to); the router's objectives
+  follow the SLOs (``--scale-ttft-target`` the TTFT objective at the huge prompt,
+  ``--scale-itl-target`` ``--itl-target-share`` x the TPOT objective) with the ``--scale-*``
+  timings below.
+
+The defaults were chosen with the simulator (``kvplan``, ``planner.sim.autoscale``) so that
+the two halves favor different layouts, the case an autoscaler is for: the decode-heavy half
+is bound by KV capacity (two decode workers hold it, one cannot), the prefill-heavy half by
+huge prefills stalling the decodes that share their worker (a split keeps one worker's decodes
+clean). ``--profile`` (repeat per thread count) also simulates every configuration on the same
+workload and objectives and puts the prediction beside each measurement (``simulated``).
 
 Goodput: requests that met both objectives over the workload's length (``2 x
 --phase-seconds``), over the whole run and per half. The verdict,
@@ -80,7 +89,7 @@ CONFIGS: dict[str, str] = {
     "colocated_1x2": "--mode colocated --threads-per-worker 2",
     "disagg_1p1d": "--mode disaggregated --prefill 1 --decode 1",
     "auto_1p1d": "--mode auto --prefill 1 --decode 1",
-    "autoscaled": "--autoscale --max-workers 2 --prefill 1 --decode 1",
+    "autoscaled": "--autoscale --max-workers 2 --prefill 0 --decode 2",
 }
 STATIC = [n for n in CONFIGS if n != "autoscaled"]
 PHASES = ("decode_heavy", "prefill_heavy")
@@ -275,6 +284,29 @@ def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpac
     return res
 
 
+def simulate(names: list[str], args: argparse.Namespace, workload: Workload, slo: Slo) -> dict[str, Any]:
+    """Each configuration in the simulator (``--profile``), from its own ``kvrouter up`` flags,
+    on the measured run's workload and objectives: the whole run's and each half's goodput, and
+    the autoscaler's actions."""
+    from planner.sim.cluster import SimCluster
+    from planner.sim.config import from_up_flags
+    from planner.sim.run import Profiles
+
+    profiles = Profiles.from_files(args.profile)
+    total = 2 * args.phase_seconds
+    out: dict[str, Any] = {}
+    for name in names:
+        cfg = from_up_flags(name, f"--store-memory {args.store_memory} {up_flags(name, args, slo)}")
+        run = SimCluster(cfg, profiles.costs_for).run_workload(workload.requests, max_duration_s=total,
+                                                               grace_s=args.grace_seconds)
+        out[name] = {"whole": scored(run.results, slo, total),
+                     "phases": {t: scored([r for r in run.results if r.tag == t], slo, total / 2) for t in PHASES},
+                     "actions": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in a.items()
+                                  if k in ("started", "t", "action", "worker", "to", "seconds", "layout_after")}
+                                 for a in run.autoscale_actions]}
+    return out
+
+
 def verdict(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     statics = {n: c["whole"]["goodput"] for n, c in configs.items() if n in STATIC and "whole" in c}
     auto = configs.get("autoscaled", {}).get("whole", {}).get("goodput")
@@ -372,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-load", type=float, default=1.6,
                    help="decode-heavy half: requests held at once over what one worker's KV cache "
                         "holds (default %(default)s)")
-    p.add_argument("--prefill-share", type=float, default=0.6,
+    p.add_argument("--prefill-share", type=float, default=0.5,
                    help="prefill-heavy half: the share of huge prefills, the rest short requests (default %(default)s)")
     p.add_argument("--prefill-prompt", type=int, default=512,
                    help="prefill-heavy half: mean prompt tokens of a huge prefill (default %(default)s)")
@@ -388,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")
     p.add_argument("--ttft-slo-mult", type=float, default=5.0,
                    help="TTFT objective: this x the unloaded TTFT at each prompt length (default %(default)s)")
-    p.add_argument("--tpot-slo-mult", type=float, default=4.0,
+    p.add_argument("--tpot-slo-mult", type=float, default=3.0,
                    help="TPOT objective: this x the unloaded TPOT (default %(default)s)")
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="fix the TTFT objective at --decode-prompt tokens instead (ms)")
@@ -403,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-window", type=float, default=20.0, help="its --scale-window (default %(default)s)")
     p.add_argument("--scale-prefill-share", type=float, default=0.25,
                    help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=48,
+    p.add_argument("--num-blocks", type=int, default=96,
                    help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them (default %(default)s)")
     p.add_argument("--store-memory", default="2G", help="the store daemon's arena (default %(default)s)")
     p.add_argument("--grace-seconds", type=float, default=60.0,
@@ -414,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt ids stay below this: the model's vocabulary (default %(default)s, SmolLM2's)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a cluster has to come up (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUT/autoscale.png")
+    p.add_argument("--profile", action="append", default=[], metavar="PATH",
+                   help="a `kvengine profile` (repeat per thread count): also simulate every configuration "
+                        "(kvplan) on the same workload and objectives, beside the measurement")
     return p
 
 
@@ -438,6 +473,9 @@ def main(argv: list[str] | None = None) -> None:
     except lifecycle.Interrupted as stop:
         interrupted = stop
     slo = plan.slo
+    if args.profile and plan.workload is not None and slo is not None:
+        for name, sim in simulate(names, args, plan.workload, slo).items():
+            configs.setdefault(name, {})["simulated"] = sim
     record = {"bench": "autoscale", "machine": machine_info(), "seconds": round(time.time() - t_start, 1),
               "probe": asdict(plan.probe) if plan.probe else None,
               "workload": plan.workload.scaling if plan.workload else {"phase_seconds": args.phase_seconds},
@@ -450,7 +488,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_plot and any("whole" in c for c in configs.values()):
         plot(record, out / "autoscale.png")
     print(json.dumps({k: v for k, v in record.items() if k != "configs"}
-                     | {"goodput": {n: c.get("whole", {}).get("goodput") for n, c in configs.items()}}))
+                     | {"goodput": {n: c.get("whole", {}).get("goodput") for n, c in configs.items()}}
+                     | ({"simulated_goodput": {n: c["simulated"]["whole"]["goodput"] for n, c in configs.items()
+                                               if "simulated" in c}} if args.profile else {})))
     if interrupted:
         raise interrupted
     if record["errors"]:

@@ -93,3 +93,24 @@ def test_timeline_and_plot(tmp_path: Path) -> None:
                                                       for x in timeline if x["kind"] == "signals"]}}}
     plot(record, tmp_path / "autoscale.png")
     assert (tmp_path / "autoscale.png").stat().st_size > 10_000
+
+
+def test_profiles_put_the_simulators_prediction_beside_each_configuration(tmp_path: Path) -> None:
+    # --profile: every configuration simulated from its own flags on the measured workload and
+    # objectives (here a synthetic profile's; the real run's are measured).
+    from benchmarks.autoscale_bench import simulate
+    from engine.profile import format as pf
+    from planner.metrics import Slo
+    from tests.planner.test_sim import profile
+
+    pf.save(profile(1), tmp_path / "p1.json")
+    args = _args("--phase-seconds", "30", "--decode-rate", "0.5", "--prefill-rate", "0.5",
+                 "--profile", str(tmp_path / "p1.json"))
+    wl = shifting_workload(args, TokenSpace())
+    slo = Slo(ttft_s=3.0, tpot_s=0.5, ttft_per_token_s=0.002, ref_prompt_tokens=96)
+    out = simulate(["colocated_2x1", "autoscaled"], args, wl, slo)
+    for name in ("colocated_2x1", "autoscaled"):
+        assert out[name]["whole"]["issued"] == len(wl.requests)
+        assert set(out[name]["phases"]) == set(PHASES) and out[name]["whole"]["good"] > 0
+    assert out["colocated_2x1"]["actions"] == []
+    assert all(a["action"] in ("role", "start", "stop") for a in out["autoscaled"]["actions"])
