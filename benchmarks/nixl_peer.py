@@ -24,6 +24,8 @@ orchestrator skips them.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -55,13 +57,20 @@ def _agent(name: str) -> Any:
 
 
 def serve(max_bytes: int) -> None:
+    """The target: print one MARK line on stdout, then wait to be killed. NIXL's agent logs to
+    fd 1, so that is pointed at stderr first: stdout carries the MARK line and nothing else (a
+    reader that selects on the pipe would otherwise find the MARK already buffered behind a log
+    line and wait for more)."""
+    out = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
     src = np.random.default_rng(1).integers(0, 256, max_bytes, dtype=np.uint8)
     sink = np.zeros(max_bytes, np.uint8)
     agent = _agent("target")
     agent.register_memory([(src.ctypes.data, max_bytes, 0, ""), (sink.ctypes.data, max_bytes, 0, "")],
                           "DRAM")
     print(MARK + json.dumps({"meta": agent.get_agent_metadata().hex(), "src": src.ctypes.data,
-                             "sink": sink.ctypes.data}), flush=True)
+                             "sink": sink.ctypes.data}), file=out, flush=True)
     while True:  # the transfers need nothing from this process; the orchestrator kills it
         time.sleep(3600)
 
