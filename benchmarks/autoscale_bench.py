@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode-heavy half: output tokens (default %(default)s)")
     p.add_argument("--decode-rate", type=float, default=None,
                    help="decode-heavy half: requests/s (default: from the probe and --decode-load)")
-    p.add_argument("--decode-load", type=float, default=1.6,
+    p.add_argument("--decode-load", type=float, default=1.2,
                    help="decode-heavy half: requests held at once over what one worker's KV cache "
                         "holds (default %(default)s)")
     p.add_argument("--prefill-share", type=float, default=0.5,
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill-heavy half: output tokens of its short requests (default %(default)s)")
     p.add_argument("--prefill-rate", type=float, default=None,
                    help="prefill-heavy half: requests/s (default: from the probe and --prefill-load)")
-    p.add_argument("--prefill-load", type=float, default=0.8,
+    p.add_argument("--prefill-load", type=float, default=0.6,
                    help="prefill-heavy half: huge prefills a second over what one worker prefills "
                         "a second (default %(default)s)")
     p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")

@@ -8,8 +8,15 @@ layout to aim for within ``max_workers``:
 - each pool asks for its desired count (decode at least 1, prefill at least ``min_prefill``);
 - over the budget, a split asked from the colocated state (prefill 0 -> 1) goes first: it is
   the remedy for prefill work stalling the decodes, which otherwise reads as "more decode";
-  then each pool keeps what it has and still wants, and what is left goes to the pool under
-  the higher pressure.
+  but not while the decode pressure is the higher one: both pools short and the decodes more
+  so is a cluster over its capacity for decodes (requests wait for KV room, and a waiting
+  request reads as queued prefill), which a split makes worse by taking a decode worker (it
+  stays colocated; measured in ``benchmarks/autoscale_bench.py``: a split at 19 s into its
+  decode-heavy half cost the autoscaled cluster 0.64x the best static layout). In the
+  colocated state the prefill pressure reaches the decode pressure exactly when prefill's
+  share of the workers' time explains the decodes' stalls (``policy.pressures``), so a tie
+  splits. Then each pool keeps what it has and still wants, and what is left goes to the
+  pool under the higher pressure.
 
 :func:`actions` turns the current workers into the target, cheapest first: **role changes**
 (a worker of the pool that shrinks becomes one of the pool that grows: no process starts,
@@ -93,6 +100,8 @@ def fit_budget(current: Layout, desired: Mapping[Pool, int], pressure: Mapping[P
     if want["prefill"] + want["decode"] <= max_workers:
         return Layout(want["prefill"], want["decode"])
     if current.prefill == 0 and want["prefill"] > 0:   # the split first
+        if pressure.get("decode", 0.0) > pressure.get("prefill", 0.0):
+            return current     # both short, the decodes more: a split takes a decode worker
         p = min(want["prefill"], max_workers - 1)
         return Layout(p, max_workers - p)
     keep: dict[Pool, int] = {pool: min(want[pool], current.count(pool)) for pool in POOLS}

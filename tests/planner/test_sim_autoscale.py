@@ -93,7 +93,7 @@ def test_a_role_change_drains_the_worker_first(monkeypatch) -> None:
     # every phase it held is done.
     phases = _phases(monkeypatch)
     cfg = dataclasses.replace(from_up_flags("a", _flags("--prefill 0 --decode 2")),
-                              autoscale=SimAutoscale(dataclasses.replace(EAGER, prefill_share_target=0.05),
+                              autoscale=SimAutoscale(dataclasses.replace(EAGER, prefill_share_target=1e-6),
                                                      max_workers=2, interval_s=0.5))
     cluster = SimCluster(cfg, PROFILES.costs_for)
     reqs = [BenchRequest(f"s{i}", prompt(24, 1000 * i), 200, arrival_s=0.2 * i) for i in range(6)]

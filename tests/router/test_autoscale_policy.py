@@ -222,8 +222,14 @@ def test_config_refuses_a_band_that_is_not_one() -> None:
 def test_fit_budget() -> None:
     pr = {"prefill": 0.5, "decode": 2.0}
     assert fit_budget(Layout(1, 1), {"prefill": 0, "decode": 2}, pr, 2) == Layout(0, 2)
-    # Over budget from the colocated state: the split first, decode gets the rest.
-    assert fit_budget(Layout(0, 2), {"prefill": 1, "decode": 3}, pr, 2) == Layout(1, 1)
+    # Over budget from the colocated state: the split first, decode gets the rest, when prefill's
+    # share of the workers' time explains the decodes' stalls (the colocated prefill pressure
+    # then reaches the decode pressure) ...
+    stalls = {"prefill": 2.0, "decode": 2.0}
+    assert fit_budget(Layout(0, 2), {"prefill": 1, "decode": 3}, stalls, 2) == Layout(1, 1)
+    # ... but not when the decodes are the more short: over capacity for decodes, a split would
+    # take a decode worker away (autoscale_bench: split 19 s into the decode-heavy half).
+    assert fit_budget(Layout(0, 2), {"prefill": 1, "decode": 3}, {"prefill": 1.2, "decode": 1.6}, 2) == Layout(0, 2)
     # Over budget otherwise: nobody loses what it still wants; the rest to the higher pressure.
     assert fit_budget(Layout(1, 1), {"prefill": 2, "decode": 2}, pr, 3) == Layout(1, 2)
     assert fit_budget(Layout(1, 1), {"prefill": 2, "decode": 2}, {"prefill": 3.0, "decode": 1.1}, 3) == Layout(2, 1)
