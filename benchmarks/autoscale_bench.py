@@ -148,6 +148,13 @@ def calibrate(args: argparse.Namespace, p: Probe) -> tuple[float, float, Slo]:
     return decode_rate, prefill_rate, Slo(ttft, tpot, slope, args.decode_prompt)
 
 
+def given(args: argparse.Namespace) -> bool:
+    """Whether the flags fix both rates and every objective, so no probe is needed (a repeat of
+    an earlier run, with its ``workload`` and ``slo`` passed back as flags)."""
+    return None not in (args.decode_rate, args.prefill_rate, args.ttft_slo_ms, args.ttft_slo_per_token_ms,
+                        args.tpot_slo_ms)
+
+
 def shifting_workload(args: argparse.Namespace, space: TokenSpace) -> Workload:
     """Decode-heavy for ``phase_seconds``, then prefill-heavy for as long (module docstring)."""
     half = args.phase_seconds
@@ -229,7 +236,9 @@ def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpac
     try:
         if plan.slo is None and name == "autoscaled":
             raise RuntimeError("the autoscaled cluster's objectives come from a static configuration's "
-                               "probe: list one before it in --configs")
+                               "probe: list one before it in --configs, or give both rates and every "
+                               "objective (--decode-rate, --prefill-rate, --ttft-slo-ms, "
+                               "--ttft-slo-per-token-ms, --tpot-slo-ms)")
         command = (f"{PY} -m router.cli up --model {args.model} --port {args.port} --log-dir {cdir / 'logs'} "
                    f"--store-memory {args.store_memory} {up_flags(name, args, plan.slo)}")
         res["command"] = command.replace(PY, "python")
@@ -464,6 +473,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"autoscale_bench: unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     space = TokenSpace(vocab_size=args.vocab_size)
     plan = Plan()
+    if given(args):   # a repeat: the same workload and objectives, whatever runs first
+        plan.slo = calibrate(args, Probe(0.0, 0.0, 0.0))[2]
+        plan.workload = shifting_workload(args, space)
     t_start = time.time()
     configs: dict[str, dict[str, Any]] = {}
     interrupted = None

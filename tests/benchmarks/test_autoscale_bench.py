@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.autoscale_bench import (LOADED_TPOT, PHASES, Probe, build_parser, calibrate, plot, read_timeline,
+from benchmarks.autoscale_bench import (LOADED_TPOT, PHASES, Probe, build_parser, calibrate, given, plot, read_timeline,
                                         shifting_workload, up_flags, verdict)
 from planner.workloads import TokenSpace
 
@@ -58,6 +58,11 @@ def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() 
     assert "--threads-per-worker" not in up_flags("colocated_1x2", args, slo).split()[3:]
     fixed = calibrate(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"), Probe(0.8, 0.15, 4.0))
     assert fixed[0] == 0.5 and fixed[2].tpot_s == 0.25
+    assert not given(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"))
+    repeat = _args("--decode-rate", "0.6", "--prefill-rate", "0.7", "--ttft-slo-ms", "1900",
+                   "--ttft-slo-per-token-ms", "16", "--tpot-slo-ms", "180")
+    assert given(repeat)   # a repeat needs no probe: nothing of the probe reaches the plan
+    assert calibrate(repeat, Probe(0.0, 0.0, 0.0)) == calibrate(repeat, Probe(0.8, 0.15, 4.0))
 
 
 def test_verdict_is_against_the_best_static() -> None:
