@@ -55,8 +55,9 @@ def test_a_ucx_row_has_ratios_to_tcp_and_cpu_per_gb():
     cpu = {"spent": {"get": 0.1, "tcp_get": 0.4}}
     row = _row(1 << 20, 1000, t, cpu)  # 1.048576 GB a call, two calls each
     assert row["get_vs_raw"] == 0.8 and row["get_vs_tcp"] == 2.0 and row["put_vs_tcp"] == 0.5
-    assert row["get_cpu_s_per_gb"] == round(0.1 / (2 * 1.048576), 3)
-    assert row["tcp_get_cpu_s_per_gb"] == round(0.4 / (2 * 1.048576), 3) and row["raw_get_cpu_s_per_gb"] == 0
+    # Three significant digits below 1 (``_round``): 0.0477, not 0.048.
+    assert row["get_cpu_s_per_gb"] == 0.0477 == float(f"{0.1 / (2 * 1.048576):.3g}")
+    assert row["tcp_get_cpu_s_per_gb"] == 0.191 and row["raw_get_cpu_s_per_gb"] == 0
 
 
 def test_a_case_times_a_ucx_client_beside_tcp(ucx_daemon):
