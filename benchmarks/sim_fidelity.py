@@ -6,7 +6,9 @@
 
 Each run is a ``benchmarks.compare`` output directory (the same parts, configurations and
 rates in every run). The simulator is calibrated from the profiles alone (``kvengine
-profile``, measured before the runs, never fitted to them). For every configuration and part
+profile``, with the serving section ``benchmarks.stack_profile`` adds from requests of its
+own, measured before the runs, never fitted to them; ``--engine-only`` drops that section).
+For every configuration and part
 it simulates the very sweep compare ran (the sweep's own flags, read back from each part's
 ``argv``: workload, rates, point length, salts, pre-warm), with objectives set as compare sets
 them: from the first configuration's unloaded latency, here simulated. Then, per point,
@@ -27,6 +29,7 @@ Writes ``OUT/fidelity.json``, ``OUT/fidelity.md`` (the table) and ``OUT/fidelity
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -37,6 +40,7 @@ from typing import Any
 
 from benchmarks import compare
 from benchmarks.sweep import build_parser as sweep_parser
+from engine.profile.format import load
 from planner.metrics import Slo, max_rate_meeting
 from planner.sim.config import from_up_flags
 from planner.sim.run import Profiles
@@ -247,12 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="append", required=True, help="kvengine profile files (per thread count)")
     p.add_argument("--parts", default="mixed,mixed_quiet,trace,multi_turn", help="part labels (default %(default)s)")
     p.add_argument("--out", default="results/fidelity/report", help="directory for the report (default %(default)s)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="ignore the profiles' serving sections (benchmarks.stack_profile): the engine alone")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    rec = fidelity([Path(r) for r in args.runs], Profiles.from_files(args.profile), args.parts.split(","))
+    profiles = [load(path) for path in args.profile]
+    if args.engine_only:
+        profiles = [dataclasses.replace(p, serving=None) for p in profiles]
+    rec = fidelity([Path(r) for r in args.runs], Profiles(profiles), args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(rec, indent=1))

@@ -18,7 +18,11 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
         "decode":     {points: [{batch, context, seconds}], fit},
         "store_load": {points: [{blocks, bytes, seconds}], fit},
         "store_save": {points: [{blocks, bytes, seconds}], fit}
-      }
+      },
+      "serving": optional, absent until ``python -m benchmarks.stack_profile`` adds it:
+                 {created, how (the stack measured, in words), prompt_tokens, hop_s, step_s,
+                  token_s, ttft_measured_s, ttft_simulated_s,
+                  points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}]}
     }
 
 Each ``fit`` is ``{form, terms, coefficients, max_rel_error, rms_rel_error}``: the curve's time
@@ -43,6 +47,15 @@ Features (``evaluate`` below computes them; a simulator may too):
   (1, the per-call latency), ``bytes`` (``blocks * block_bytes``: 1 / bandwidth).
   ``load_s(blocks)``, ``save_s(blocks)``; ``bandwidth(curve)`` = 1 / the ``bytes`` coefficient.
 
+``serving`` is what the serving stack (router, HTTP, streaming client, store and etcd, on the
+same machine) adds to the engine's own times, as a simulator of the engine alone would miss
+it: ``hop_s`` per message (client -> router, router -> worker, worker -> router -> client;
+a colocated request's first token is three of them), and per decode step ``step_s +
+token_s * batch`` (the stack's CPU for each streamed token). Measured by sending the same
+requests to the real stack and to the simulator with none of it: ``hop_s`` is a third of the
+median unloaded TTFT difference, and ``step_s``, ``token_s`` the non-negative line through the
+difference of the steady inter-token gaps at each batch (``points``).
+
 ``load(path)`` / ``save(path)`` read and write the file (``load`` refuses another schema
 or a newer version); ``Profile.evaluate(curve, **args)`` evaluates a curve's fit anywhere.
 """
@@ -61,7 +74,7 @@ import numpy as np
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "CURVES", "Hardware", "ModelShape", "StoreInfo", "Fit",
-    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Profile", "fit_curve",
+    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "Profile", "fit_curve",
     "features", "load", "save",
 ]
 
@@ -139,6 +152,37 @@ class TransferPoint:
     blocks: int
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    batch: int
+    prompt_tokens: int
+    output_tokens: int
+    measured_gap_s: float  # the steady inter-token gap through the stack (median)
+    simulated_gap_s: float  # the same requests' gap from the engine's curves alone
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the serving stack adds to the engine's times (see the module docstring)."""
+
+    how: str
+    prompt_tokens: int  # of the unloaded TTFT requests
+    hop_s: float
+    step_s: float
+    token_s: float
+    ttft_measured_s: float
+    ttft_simulated_s: float
+    points: tuple[ServingPoint, ...] = ()
+    created: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "points": [asdict(p) for p in self.points]}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Serving:
+        return cls(**{**obj, "points": tuple(ServingPoint(**p) for p in obj.get("points", ()))})
 
 
 Point = PrefillPoint | DecodePoint | TransferPoint
@@ -248,6 +292,7 @@ class Profile:
     created: str = ""
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # settings of the run, free-form
+    serving: Serving | None = None  # what the serving stack adds (benchmarks.stack_profile)
 
     def evaluate(self, curve: str, **args: float) -> float:
         """Seconds the fitted ``curve`` predicts at ``args`` (its features' names)."""
@@ -273,7 +318,7 @@ class Profile:
         return 1.0 / b if b > 0 else math.inf
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": SCHEMA, "schema_version": self.schema_version, "created": self.created,
             "seed": self.seed, "quick": self.quick, "repeats": self.repeats,
             "hardware": asdict(self.hardware), "model": asdict(self.model),
@@ -283,6 +328,9 @@ class Profile:
                                       "coefficients": list(c.fit.coefficients)}}
                        for name, c in self.curves.items()},
         }
+        if self.serving is not None:
+            out["serving"] = self.serving.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Profile:
@@ -308,7 +356,8 @@ class Profile:
                    store=StoreInfo(**obj["store"]), curves=curves, seed=int(obj["seed"]),
                    quick=bool(obj["quick"]), repeats=int(obj["repeats"]),
                    created=str(obj["created"]), schema_version=version,
-                   extra=dict(obj.get("extra", {})))
+                   extra=dict(obj.get("extra", {})),
+                   serving=Serving.from_json(obj["serving"]) if obj.get("serving") else None)
 
 
 def save(profile: Profile, path: str | Path) -> Path:

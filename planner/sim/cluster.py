@@ -106,6 +106,7 @@ class SimCluster:
         self.events = 0
         specs = config.specs()
         block_bytes = costs_for(specs[0]).block_bytes
+        self.hop_s = config.hop_s if config.hop_s is not None else costs_for(specs[0]).hop_s
         self.store = SimStore.of_bytes(config.store_memory_bytes, block_bytes)
         self.index = KvIndex()
         self.policy = PrefillPolicy(config.policy, self.index)  # type: ignore[arg-type]
@@ -160,7 +161,7 @@ class SimCluster:
         ns = salted(NAMESPACE, salt)
         keys = block_keys(ns, bench.prompt, self.block_size)
         choice = Choice(bench, result, t, ns, keys)
-        self.at(t + self.config.hop_s, lambda: self._route(choice))
+        self.at(t + self.hop_s, lambda: self._route(choice))
         return choice
 
     def _route(self, c: Choice) -> None:
@@ -201,7 +202,7 @@ class SimCluster:
         else:
             books = w.load.assign(prefill_tokens=uncached, blocks=blocks_needed(n, c.bench.max_tokens, bs))
             phase = "full"
-        hop = self.config.hop_s
+        hop = self.hop_s
         self.at(t + hop, lambda: w.submit(self.now, c, phase, c.bench.prompt, (), c.bench.max_tokens,
                                           books, c.namespace, c.keys))
 
@@ -217,7 +218,7 @@ class SimCluster:
         books = w.load.assign(prefill_tokens=0,
                               blocks=blocks_needed(n + c.delivered, remaining, self.block_size))
         outputs = (OUTPUT_TOKEN,) * c.delivered
-        self.at(t + self.config.hop_s, lambda: w.submit(self.now, c, "decode", c.bench.prompt, outputs,
+        self.at(t + self.hop_s, lambda: w.submit(self.now, c, "decode", c.bench.prompt, outputs,
                                                         c.bench.max_tokens, books, c.namespace, c.keys))
 
     # --- what workers report -----------------------------------------------------------
@@ -238,7 +239,7 @@ class SimCluster:
         if c.done:
             return
         st.books.prefill_done()
-        self._deliver(c, t + self.config.hop_s)
+        self._deliver(c, t + self.hop_s)
 
     def _phase_done(self, st: PhaseState, t: float) -> None:
         c: Choice = st.choice
@@ -251,7 +252,7 @@ class SimCluster:
                 self.stats[k] += v
         if c.done:
             return
-        hop = self.config.hop_s
+        hop = self.hop_s
         if st.phase == "prefill":
             st.books.prefill_done()
             self._deliver(c, t + hop)   # the held first token comes with the final line

@@ -55,7 +55,9 @@ class ClusterConfig:
     balance: Balance = field(default_factory=Balance)  # colocated mode's load guard
     store_memory_bytes: int = 512 << 20
     salt_per_request: bool = False  # every request its own cache_salt: no prefix reuse
-    hop_s: float = 0.0  # one router -> worker (or worker -> router) message's latency
+    # One client -> router -> worker (or back) message's latency; None: the profile's
+    # serving hop (``StepCosts.hop_s``, 0 without a serving section).
+    hop_s: float | None = None
     autoscale: SimAutoscale | None = None  # kvrouter up --autoscale (planner.sim.autoscale)
 
     def __post_init__(self) -> None:

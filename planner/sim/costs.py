@@ -13,6 +13,11 @@ context) and prefill chunks (``k`` tokens from position ``p``). Its time, from o
 - a mixed step: the decode step of its decodes plus each chunk's marginal prefill time
   ``b*k + c*pairs`` (the decodes ride in the pass the prefill pays for, or the reverse).
 
+With the profile's ``serving`` section (``benchmarks.stack_profile``: what the router, HTTP,
+the streaming client, the store and etcd add on the same machine), a step that decodes ``n``
+sequences costs ``serving.step_s + serving.token_s * n`` more, and ``hop_s`` is the latency of
+one message between client, router and worker (0 without it).
+
 Store moves (blocks of the simulated block size, which may differ from the profile's: their
 bytes are what counts): ``load_s(blocks)`` (synchronous on the engine thread, at admission) and
 ``save_s(blocks)`` (the saver thread's time for one batch of blocks) from the fitted
@@ -53,6 +58,10 @@ class StepCosts:
         self._load = dict(zip(lo.terms, lo.coefficients))
         self._save = dict(zip(sv.terms, sv.coefficients))
         self._memo: dict[tuple[int, int], float] = {}
+        sv_ = profile.serving
+        self.hop_s = sv_.hop_s if sv_ is not None else 0.0
+        self._o_step = sv_.step_s if sv_ is not None else 0.0
+        self._o_tok = sv_.token_s if sv_ is not None else 0.0
         self.block_size = block_size or profile.model.block_size
         self.block_bytes = profile.model.kv_bytes_per_token * self.block_size
 
@@ -97,6 +106,10 @@ class StepCosts:
         return ((1 - u) * (1 - v) * g[(b0, c0)] + u * (1 - v) * g[(b1, c0)]
                 + (1 - u) * v * g[(b0, c1)] + u * v * g[(b1, c1)])
 
+    def stack_s(self, decodes: int) -> float:
+        """What the serving stack adds to a step that streams ``decodes`` tokens."""
+        return self._o_step + self._o_tok * decodes if decodes > 0 else 0.0
+
     # --- prefill -----------------------------------------------------------------------
     def chunk_s(self, tokens: int, start: int) -> float:
         """A prefill chunk's marginal time: ``tokens`` from position ``start`` (no overhead)."""
@@ -119,7 +132,7 @@ class StepCosts:
             extra += self.chunk_s(k, p)
         if decode_contexts:
             n = len(decode_contexts)
-            return self.decode_s(n, sum(decode_contexts) / n) + extra
+            return self.decode_s(n, sum(decode_contexts) / n) + extra + self.stack_s(n)
         return self._p_step + extra if chunks else 0.0
 
     # --- the store ---------------------------------------------------------------------

@@ -60,7 +60,15 @@ class Profiles:
     def describe(self) -> list[str]:
         return [f"{p.model.name} on {p.hardware.device_name} ({p.hardware.device}, "
                 f"{p.hardware.threads} thread{'s' if p.hardware.threads != 1 else ''}, "
-                f"created {p.created})" for p in self.profiles]
+                f"created {p.created})" + _serving(p) for p in self.profiles]
+
+
+def _serving(p: Profile) -> str:
+    sv = p.serving
+    if sv is None:
+        return "; no serving section (the engine alone)"
+    return (f"; serving stack measured {sv.created}: hop {sv.hop_s * 1e3:.1f} ms, "
+            f"+{sv.step_s * 1e3:.2f} ms a decode step, +{sv.token_s * 1e3:.2f} ms a streamed token")
 
 
 @dataclass

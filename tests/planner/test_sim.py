@@ -80,6 +80,39 @@ def test_step_costs_follow_the_profile() -> None:
     assert c.load_s(0) == c.save_s(0) == 0.0
 
 
+def serving(hop_s: float = 0.01, step_s: float = 0.002, token_s: float = 0.003) -> pf.Serving:
+    return pf.Serving("synthetic", 32, hop_s, step_s, token_s, 0.3, 0.27,
+                      (pf.ServingPoint(2, 128, 96, 0.08, 0.07),))
+
+
+def test_a_serving_section_adds_the_stack_to_decode_steps_and_its_hop_to_messages() -> None:
+    plain, served = StepCosts(profile()), StepCosts(dataclasses.replace(profile(), serving=serving()))
+    assert plain.hop_s == 0.0 and served.hop_s == 0.01
+    # A step that streams n tokens costs step_s + n * token_s more; a prefill-only step nothing more.
+    assert served.step_s([128] * 4, []) - plain.step_s([128] * 4, []) == pytest.approx(0.002 + 4 * 0.003)
+    assert served.step_s([128], [(10, 0)]) - plain.step_s([128], [(10, 0)]) == pytest.approx(0.005)
+    assert served.step_s([], [(100, 0)]) == plain.step_s([], [(100, 0)])
+    # An unloaded colocated request: its first token three hops later, each next one a step later.
+    req = [BenchRequest("a", prompt(100), 3)]
+    cfg = colocated(num_blocks=64)
+    base = SimCluster(cfg, PROFILES.costs_for).run_workload(req).results[0]
+    with_stack = SimCluster(cfg, Profiles([dataclasses.replace(profile(), serving=serving())]).costs_for)
+    r = with_stack.run_workload(req).results[0]
+    assert r.ttft_s == pytest.approx(base.ttft_s + 3 * 0.01, rel=1e-6)
+    assert r.itl_s == pytest.approx([g + 0.005 for g in base.itl_s], rel=1e-6)
+    # A configuration's own hop overrides the profile's.
+    fixed = SimCluster(dataclasses.replace(cfg, hop_s=0.0), with_stack._costs_for).run_workload(req).results[0]
+    assert fixed.ttft_s == pytest.approx(base.ttft_s, rel=1e-6)
+
+
+def test_the_serving_section_round_trips_through_the_profile_file(tmp_path: Path) -> None:
+    prof = dataclasses.replace(profile(), serving=serving())
+    back = pf.load(pf.save(prof, tmp_path / "p.json"))
+    assert back.serving == prof.serving and back.curves.keys() == prof.curves.keys()
+    assert "serving" not in json.loads(pf.save(profile(), tmp_path / "q.json").read_text())
+    assert pf.load(tmp_path / "q.json").serving is None
+
+
 def test_one_colocated_request_costs_a_prefill_then_decode_steps() -> None:
     out = run(colocated(), [BenchRequest("a", prompt(100), 5)])
     (r,) = out.results

@@ -1,0 +1,269 @@
+"""What the serving stack adds to the engine's own times: a profile's ``serving`` section.
+
+    python -m benchmarks.stack_profile --profile results/profile_t2.json [--model default]
+
+``kvengine profile`` times the engine alone. A request served for real also crosses HTTP
+twice, the router forwards every streamed token, the client parses it, and on a small machine
+the router, the client, the store daemon and etcd take CPU from the workers. A simulator
+calibrated from the engine alone is optimistic by that much. This command measures it, from
+requests of its own (never the runs a simulation is later checked against):
+
+1. it starts the real stack with ``kvrouter up`` in the layout the profile's thread count
+   fills the machine with (``--up``; by default one colocated worker of two threads, or one
+   prefill and one decode worker of one thread each, ``benchmarks.compare``'s layouts);
+2. it sends seeded requests through the benchmarks' streaming client (``load_client``):
+   ``hops`` unloaded requests one after another (a ``hop_prompt``-token prompt, 2 tokens
+   out), then, per batch size ``b`` in ``batches``, ``rounds`` rounds of ``b`` requests at
+   once (``prompt`` tokens in, ``output`` out, distinct prompts: no prefix reuse);
+3. it sends the same requests, the same way, through the simulator (``planner.sim``) with the
+   profile's engine curves and no serving cost;
+4. the difference is the serving cost: ``hop_s`` is a third of the median TTFT difference of
+   the unloaded requests (a first token is three messages: client -> router -> worker ->
+   router -> client, counted as three hops), and ``step_s + token_s * b`` the non-negative line
+   through the differences of the steady inter-token gaps (each round's median gap while all
+   ``b`` requests decode, measured against simulated).
+
+It writes the profile back (``--out``; default in place) with the section
+(``engine.profile.format.Serving``), plots measured, engine-only and engine + stack gaps
+against the batch (``OUT.png``), and prints one JSON line. About two minutes on 2 CPUs for the
+default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import lifecycle
+from benchmarks.compare import CONFIGS
+from benchmarks.load_client import ClientConfig, fetch_model, run_workload
+from benchmarks.sweep import Configuration, Launched
+from engine.profile.format import Profile, Serving, ServingPoint, load, save
+from planner.metrics import RequestResult
+from planner.sim.cluster import SimCluster
+from planner.sim.config import ClusterConfig, from_up_flags
+from planner.sim.run import Profiles
+from planner.workloads import BenchRequest, TokenSpace
+
+PY = sys.executable
+HOPS_PER_FIRST_TOKEN = 3
+
+
+def default_layout(profile: Profile) -> str:
+    """``kvrouter up`` flags that fill the machine with workers of the profile's threads."""
+    if profile.hardware.cpu_count // max(profile.hardware.threads, 1) >= 2:
+        return CONFIGS["disagg"]["up"]
+    return CONFIGS["colo_chunk"]["up"]
+
+
+def requests(args: argparse.Namespace, vocab: int) -> list[list[BenchRequest]]:
+    """The rounds, in order: the unloaded chain first, then ``rounds`` per batch size."""
+    space = TokenSpace(vocab_size=vocab)
+    rng = np.random.default_rng([args.seed, 11])
+    chain = []
+    for i in range(args.hops + 1):  # the first warms the path up and is not counted
+        chain.append(BenchRequest(f"hop-{i}", space.random(rng, args.hop_prompt), 2,
+                                  after=f"hop-{i - 1}" if i else None, delay_s=0.2 if i else 0.0))
+    out = [chain]
+    for b in args.batches:
+        for r in range(args.rounds):
+            out.append([BenchRequest(f"b{b}-r{r}-{j}", space.random(rng, args.prompt), args.output, tag=str(b))
+                        for j in range(b)])
+    return out
+
+
+def steady_gap(results: list[RequestResult]) -> float | None:
+    """The median inter-token gap while every request of a round decodes: token times after
+    the last first token and up to the first last token (times from the round's send)."""
+    times = []
+    for r in results:
+        if not r.ok or r.ttft_s is None:
+            return None
+        t = [r.sent_s + r.ttft_s]
+        for g in r.itl_s:
+            t.append(t[-1] + g)
+        times.append(t)
+    lo = max(t[0] for t in times)
+    hi = min(t[-1] for t in times)
+    gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= lo and b <= hi]
+    return statistics.median(gaps) if gaps else None
+
+
+def fit_line(batches: list[int], extra: list[float]) -> tuple[float, float]:
+    """Non-negative ``(step_s, token_s)`` of ``extra ~ step_s + token_s * batch`` (least
+    squares over the subsets whose coefficients come out non-negative; 0, 0 if none)."""
+    x = np.array([[1.0, float(b)] for b in batches])
+    y = np.array(extra, dtype=np.float64)
+    best: tuple[float, tuple[float, float]] = (float(np.sum(y ** 2)), (0.0, 0.0))
+    for cols in ([0], [1], [0, 1]):
+        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(sol < 0):
+            continue
+        coef = np.zeros(2)
+        coef[cols] = sol
+        sse = float(np.sum((x @ coef - y) ** 2))
+        if sse < best[0] - 1e-18:
+            best = (sse, (float(coef[0]), float(coef[1])))
+    return best[1]
+
+
+def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchRequest]]) -> list[list[RequestResult]]:
+    """The rounds through the simulator, with the engine's curves and no serving cost."""
+    bare = Profiles([replace(profile, serving=None)])
+    cluster = SimCluster(replace(config, hop_s=0.0), bare.costs_for)
+    out = []
+    for reqs in rounds:
+        run = cluster.run_workload(reqs)
+        out.append(sorted(run.results, key=lambda r: r.request_id))
+    return out
+
+
+async def _measure(url: str, rounds: list[list[BenchRequest]], progress: bool) -> list[list[RequestResult]]:
+    model = await fetch_model(url)
+    cfg = ClientConfig(url, model, progress=False, request_timeout_s=300, max_duration_s=600, grace_s=120)
+    out = []
+    from tqdm import tqdm
+    for reqs in tqdm(rounds, desc="stack profile", unit="round", disable=not progress):
+        run = await run_workload(reqs, cfg, desc="round")
+        bad = [r for r in run.results if not r.ok]
+        if bad or len(run.results) != len(reqs):
+            raise RuntimeError(f"a profiling request failed: {bad[0].error if bad else 'not sent'}")
+        out.append(sorted(run.results, key=lambda r: r.request_id))
+        await asyncio.sleep(0.5)
+    return out
+
+
+def serving_section(args: argparse.Namespace, layout: str, measured: list[list[RequestResult]],
+                    simulated: list[list[RequestResult]]) -> Serving:
+    chain_m, chain_s = measured[0][1:], simulated[0][1:]   # the first of the chain warms up
+    by_id = {r.request_id: r for r in chain_s}
+    diffs = [m.ttft_s - by_id[m.request_id].ttft_s for m in chain_m  # type: ignore[operator]
+             if m.ttft_s is not None and by_id[m.request_id].ttft_s is not None]
+    ttft_m = statistics.median(r.ttft_s for r in chain_m if r.ttft_s is not None)
+    ttft_s = statistics.median(r.ttft_s for r in chain_s if r.ttft_s is not None)
+    hop = max(statistics.median(diffs), 0.0) / HOPS_PER_FIRST_TOKEN
+    points, batches, extra = [], [], []
+    for m, s in zip(measured[1:], simulated[1:]):
+        gm, gs = steady_gap(m), steady_gap(s)
+        if gm is None or gs is None:
+            continue
+        b = len(m)
+        points.append(ServingPoint(b, args.prompt, args.output, gm, gs))
+        batches.append(b)
+        extra.append(gm - gs)
+    if not points:
+        raise RuntimeError("no round had a steady window (every request decoding at once): raise --output")
+    step_s, token_s = fit_line(batches, extra)
+    how = (f"kvrouter up {layout} (model {args.model}); benchmarks.load_client on the same machine; "
+           f"{args.hops} unloaded {args.hop_prompt}-token requests, then {args.rounds} rounds of "
+           f"{','.join(map(str, args.batches))} concurrent {args.prompt}+{args.output}-token requests; "
+           f"seed {args.seed}")
+    return Serving(how=how, prompt_tokens=args.hop_prompt, hop_s=hop, step_s=step_s, token_s=token_s,
+                   ttft_measured_s=ttft_m, ttft_simulated_s=ttft_s, points=tuple(points),
+                   created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+
+def plot(profile: Profile, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sv = profile.serving
+    assert sv is not None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bs = [p.batch for p in sv.points]
+    ax.plot(bs, [p.measured_gap_s * 1e3 for p in sv.points], "o", label="through the stack (measured)")
+    ax.plot(bs, [p.simulated_gap_s * 1e3 for p in sv.points], "x", label="engine curves alone (simulated)")
+    grid = sorted(set(bs))
+    base = {b: statistics.median(p.simulated_gap_s for p in sv.points if p.batch == b) for b in grid}
+    ax.plot(grid, [(base[b] + sv.step_s + sv.token_s * b) * 1e3 for b in grid], "-",
+            label=f"engine + stack: +{sv.step_s * 1e3:.1f} ms/step +{sv.token_s * 1e3:.2f} ms/token")
+    ax.set_xlabel("sequences decoding at once")
+    ax.set_ylabel("inter-token gap (ms)")
+    ax.set_title(f"What the serving stack adds ({profile.hardware.threads} thread(s) a worker); "
+                 f"hop {sv.hop_s * 1e3:.1f} ms", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = load(args.profile)
+    layout = args.up or default_layout(profile)
+    config = from_up_flags("stack", f"{layout} --store-memory 2G")
+    rounds = requests(args, profile.model.vocab_size)
+    out = Path(args.out or args.profile)
+    logs = out.parent / (out.stem + "_stack_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    from router.cluster.child import free_port
+    port = free_port()
+    command = (f"{PY} -m router.cli up --model {args.model} --port {port} --log-dir {logs} "
+               f"--store-memory 2G {layout}")
+    t0 = time.perf_counter()
+    launched = Launched(Configuration("stack", command=command), open(logs / "up.log", "w"))
+    try:
+        launched.wait_ready(300)
+        measured = asyncio.run(_measure(f"http://127.0.0.1:{port}", rounds, not args.no_progress))
+    finally:
+        launched.stop()
+    simulated = simulate(config, profile, rounds)
+    section = serving_section(args, layout, measured, simulated)
+    profile = replace(profile, serving=section)
+    save(profile, out)
+    plot(profile, out.with_suffix(".png"))
+    return {"bench": "stack_profile", "profile": str(out), "threads": profile.hardware.threads,
+            "hop_ms": round(section.hop_s * 1e3, 2), "step_ms": round(section.step_s * 1e3, 3),
+            "token_ms": round(section.token_s * 1e3, 3),
+            "gaps_ms": [[p.batch, round(p.measured_gap_s * 1e3, 1), round(p.simulated_gap_s * 1e3, 1)]
+                        for p in section.points],
+            "ttft_ms": [round(section.ttft_measured_s * 1e3, 1), round(section.ttft_simulated_s * 1e3, 1)],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _batches(text: str) -> list[int]:
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes are positive integers, got {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stack_profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help="the kvengine profile file to add the serving section to")
+    p.add_argument("--out", default=None, help="where to write the profile (default: over --profile)")
+    p.add_argument("--model", default="default", help="the model kvrouter up serves (the profile's)")
+    p.add_argument("--up", default=None,
+                   help="kvrouter up layout flags (default: benchmarks.compare's layout for the profile's threads)")
+    p.add_argument("--hops", type=int, default=6, help="unloaded requests for the hop (after one warm-up)")
+    p.add_argument("--hop-prompt", type=int, default=32, help="their prompt tokens")
+    p.add_argument("--batches", type=_batches, default=[1, 2, 4, 8], help="concurrent requests per round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per batch size")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens of a round's requests")
+    p.add_argument("--output", type=int, default=96, help="output tokens of a round's requests")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.hops < 1 or args.rounds < 1 or args.output < 3:
+        raise SystemExit("--hops and --rounds are at least 1, --output at least 3")
+    print(json.dumps(run(args)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(lifecycle.run_main(main))
