@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from benchmarks import lifecycle
 from benchmarks.compare import CONFIGS
@@ -54,6 +55,7 @@ from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
 from planner.sim.run import Profiles
 from planner.workloads import BenchRequest, TokenSpace
+from router.cluster.child import free_port
 
 PY = sys.executable
 HOPS_PER_FIRST_TOKEN = 3
@@ -132,7 +134,6 @@ async def _measure(url: str, rounds: list[list[BenchRequest]], progress: bool) -
     model = await fetch_model(url)
     cfg = ClientConfig(url, model, progress=False, request_timeout_s=300, max_duration_s=600, grace_s=120)
     out = []
-    from tqdm import tqdm
     for reqs in tqdm(rounds, desc="stack profile", unit="round", disable=not progress):
         run = await run_workload(reqs, cfg, desc="round")
         bad = [r for r in run.results if not r.ok]
@@ -207,7 +208,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or args.profile)
     logs = out.parent / (out.stem + "_stack_logs")
     logs.mkdir(parents=True, exist_ok=True)
-    from router.cluster.child import free_port
     port = free_port()
     command = (f"{PY} -m router.cli up --model {args.model} --port {port} --log-dir {logs} "
                f"--store-memory 2G {layout}")

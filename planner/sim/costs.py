@@ -58,10 +58,9 @@ class StepCosts:
         self._load = dict(zip(lo.terms, lo.coefficients))
         self._save = dict(zip(sv.terms, sv.coefficients))
         self._memo: dict[tuple[int, int], float] = {}
-        sv_ = profile.serving
-        self.hop_s = sv_.hop_s if sv_ is not None else 0.0
-        self._o_step = sv_.step_s if sv_ is not None else 0.0
-        self._o_tok = sv_.token_s if sv_ is not None else 0.0
+        stack = profile.serving
+        self.hop_s = stack.hop_s if stack else 0.0
+        self._o_step, self._o_tok = (stack.step_s, stack.token_s) if stack else (0.0, 0.0)
         self.block_size = block_size or profile.model.block_size
         self.block_bytes = profile.model.kv_bytes_per_token * self.block_size
 
