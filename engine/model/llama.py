@@ -19,7 +19,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import write_kv
-from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
 
 __all__ = ["CausalLM", "WeightError"]
 
@@ -112,7 +112,7 @@ class CausalLM(nn.Module):
             x = layer(positions, x, kv_cache[i], meta)
         x = self.norm(x.index_select(0, logits_indices))
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, w).float()
+        return linear(x, w).float()
 
     # -- weights ----------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def default_grid(quick: bool, max_positions: int, chunk: int | None = None) -> G
                  (1, 8, 32), 1)
     else:
         g = Grid((64, 128, 256, 512, 1024, 2048), (0.0, 0.5, 0.9), chunk or 512,
-                 (1, 2, 4, 8, 16, 32), (128, 512, 1024, 2048), (1, 4, 16, 64), 3)
+                 (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), (128, 512, 1024, 2048), (1, 4, 16, 64), 3)
     fits = lambda n: n + 1 <= max_positions  # noqa: E731
     return Grid(tuple(n for n in g.prefill_tokens if fits(n)), g.cached_fractions, g.chunk,
                 g.decode_batches, tuple(c for c in g.decode_contexts if fits(c)),

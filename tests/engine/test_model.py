@@ -116,3 +116,18 @@ def test_cuda_greedy_equals_transformers(tiny_llama_dir) -> None:
     bf16 = ModelRunner(tiny_llama_dir, num_blocks=64, device="cuda")  # the CUDA default dtype
     assert bf16.dtype in (torch.bfloat16, torch.float16)
     assert bf16.execute([StepItem(prompts[2], 0, [0])]).dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 64, 65, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_row_linear_is_f_linear(rows: int, bias: bool) -> None:
+    from engine.model.layers import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 48, generator=g), torch.randn(96, 48, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    ours, ref = linear(x, w, b), torch.nn.functional.linear(x, w, b)
+    assert ours.shape == ref.shape == (rows, 96) and ours.is_contiguous()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # other dtypes go to F.linear unchanged
+    assert torch.equal(linear(x.double(), w.double()), torch.nn.functional.linear(x.double(), w.double()))
