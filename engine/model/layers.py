@@ -17,13 +17,14 @@ from engine.model.config import RopeScaling
 
 __all__ = ["Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "linear", "rope_inv_freq"]
 
-# Up to this many rows (a decode step's batch, a short chunk), a float32 CPU product
+# Up to this many rows (a decode step's batch), a float32 CPU product
 # ``x W^T`` is computed as ``(W x^T)^T``. MKL's GEMM for the first form with a few rows is slow
 # and erratic on this project's CPUs: one row (a GEMV) reads SmolLM2's 113 MB vocabulary
 # projection at ~11 GB/s where the second form reads it at ~40 GB/s, and 2, 3, 6 or 7 rows take
 # 1.3-2x as long as 4 or 8. Measured on the whole model: decode steps of 1-8 sequences 1.2-2.6x
 # faster, and step time grows with the batch again (docs/engine.md, "Small-batch matmuls").
-SMALL_ROWS = 64
+# From 24 rows on the two forms were level or the first faster, so larger products keep it.
+SMALL_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
