@@ -28,6 +28,7 @@ flags)::
     .venv/bin/python -m benchmarks.handoff_bench    # the P->D handoff across hosts: one hop vs rendezvous
     .venv/bin/python -m benchmarks.lmcache_bench    # LMCache through our plugin vs its lm:// server and Mooncake
     .venv/bin/python -m benchmarks.sim_fidelity     # kvplan's simulator against repeated compare runs
+    .venv/bin/python -m benchmarks.recommend_check  # kvplan recommend on compare's workloads against the runs
     .venv/bin/python -m benchmarks.step_fidelity    # the simulator's step times against a worker's traced steps
     .venv/bin/python -m benchmarks.stack_profile    # what the serving stack adds beside the engine: a profile's serving section
     .venv/bin/python -m benchmarks.fleet_sim        # simulated GPU fleets on the Mooncake trace (a simulation)

@@ -34,3 +34,30 @@ def test_the_table_lists_judged_points_and_rates() -> None:
     assert "| c | trace | 0.1 | ttft_p50 | 1.000 [1.000-1.200] | 1.100 | +10% | ok |" in text
     assert "mixed" not in text.split("\n\n")[0]        # n/a rows are left out
     assert "| c | trace | 0.1,0.3 | 0.1, none, 0.3 | 0.1 | ok |" in text
+
+
+def test_recommend_check_gives_the_planner_the_sweeps_workload_and_compares_budget() -> None:
+    from benchmarks import recommend_check as rc
+
+    argv = ["--config", "colo_nochunk=http://127.0.0.1:1", "--out", "x", "--no-progress", "--workload", "trace",
+            "--rates", "0.1,0.3,0.5", "--point-seconds", "40", "--ttft-slo-per-length",
+            "--ttft-slo-ms", "900", "--tpot-slo-ms", "120"]
+    args = rc.recommend_args(argv, ["t1.json", "t2.json"])
+    assert (args.workload, args.rates, args.point_seconds, args.ttft_slo_per_length) == ("trace", "0.1,0.3,0.5", 40, True)
+    assert args.ttft_slo_ms is None and args.tpot_slo_ms is None    # the planner derives its own
+    assert (args.devices, args.max_colocated, args.chunks, args.profile) == (2, 1, "0,256", ["t1.json", "t2.json"])
+
+
+def test_recommend_check_scores_as_the_planner_ranks_and_calls_noise_ok() -> None:
+    from benchmarks import recommend_check as rc
+
+    def pts(*att: float) -> list[dict]:
+        return [{"rate": r, "summary": {"attainment": a}} for r, a in zip((0.1, 0.3, 0.5), att)]
+
+    assert rc.score(pts(1.0, 0.95, 0.5)) == (pytest.approx(0.3 + 0.2 * 0.05 / 0.45), 1.0)
+    assert rc.score(pts(0.5, 0.4, 0.1)) == (0.0, 0.5)
+    runs = {"a": [(0.3, 1.0), (0.5, 1.0), (0.3, 1.0)], "b": [(0.1, 1.0), (0.1, 0.9), (0.1, 1.0)]}
+    assert rc.verdict("a", runs) == {"measured_best": "a", "verdict": "ok"}
+    assert rc.verdict("b", runs) == {"measured_best": "a", "verdict": "off"}           # every run beaten
+    runs["b"][1] = (0.4, 1.0)
+    assert rc.verdict("b", runs)["verdict"] == "ok"                                       # within noise
