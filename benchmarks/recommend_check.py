@@ -77,10 +77,11 @@ def check(runs: list[Path], profiles: list[str], parts: list[str]) -> dict[str, 
         if argv is None:
             continue
         rec = run_recommend(recommend_args(argv, profiles))
-        chosen = CANDIDATE_RUNS.get(rec["best"]["name"], rec["best"]["name"])
+        name = str(rec["best"]["name"])
+        chosen = CANDIDATE_RUNS.get(name, name)
         measured = {cfg: [score(pts) for pts in _measured(runs, cfg, part)] for cfg in CANDIDATE_RUNS.values()}
         measured = {c: s for c, s in measured.items() if s}
-        row = {"part": part, "recommended": rec["best"]["name"], "runs_as": chosen,
+        row = {"part": part, "recommended": name, "runs_as": chosen,
                "runner_up": rec["runner_up"]["name"] if rec["runner_up"] else None,
                "planner_says": rec["verdict"], "command": rec["best"]["command"],
                "simulated": {CANDIDATE_RUNS.get(r["name"], r["name"]): r["max_rate_90"] for r in rec["ranked"]},
