@@ -6,7 +6,8 @@
 Each line of a step trace (``kvengine serve --step-trace``) is one engine step: its wall time
 (``step_s``: scheduling, the model, sampling, streaming), the model's share (``execute_s``)
 and its items (``[tokens, start]``; a decode is ``[1, context]``). For every step this prices
-the same items with ``planner.sim.costs.StepCosts`` (the profile alone) and reports, per kind
+the same items with ``planner.sim.costs.StepCosts`` (the profile's engine curves alone: its
+serving section prices the router and client, which a worker's own step does not hold) and reports, per kind
 of step (decode-only by batch size, prefill-only, mixed), the median ratio of measured to
 predicted, for the model's share and for the whole step, and how many steps each covers.
 A ratio above 1 is time the simulator does not see: contention for the CPUs (the router,
@@ -17,6 +18,7 @@ Prints one JSON line; ``--out`` writes it to a file too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    costs = StepCosts(load_profile(args.profile), args.block_size)
+    costs = StepCosts(dataclasses.replace(load_profile(args.profile), serving=None), args.block_size)
     out: dict[str, Any] = {"bench": "step_fidelity", "profile": args.profile, "traces": {}}
     for path in args.traces:
         lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]

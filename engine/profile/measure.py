@@ -16,7 +16,8 @@ that this module starts (a child process, its own session) and stops.
   acknowledged them: copy out, encode, put; fresh keys each time so nothing is skipped) and
   loaded back (``load_blocks``: get, verify, scatter into other blocks).
 
-Each point is the median of ``repeats`` timed runs after one warm-up run.
+Each point is the median of ``repeats`` timed runs after one warm-up run; a decode point, of
+``decode_rounds`` rounds over every decode point (module code: noise comes in bursts).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class Grid:
     decode_contexts: tuple[int, ...]
     store_blocks: tuple[int, ...]
     repeats: int
+    decode_rounds: int = 0  # timed rounds over every decode point (0: ``repeats``)
+
+    @property
+    def rounds(self) -> int:
+        return self.decode_rounds or self.repeats
 
 
 def default_grid(quick: bool, max_positions: int, chunk: int | None = None) -> Grid:
@@ -65,11 +71,11 @@ def default_grid(quick: bool, max_positions: int, chunk: int | None = None) -> G
                  (1, 8, 32), 1)
     else:
         g = Grid((64, 128, 256, 512, 1024, 2048), (0.0, 0.5, 0.9), chunk or 512,
-                 (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), (128, 512, 1024, 2048), (1, 4, 16, 64), 3)
+                 (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), (128, 512, 1024, 2048), (1, 4, 16, 64), 3, 9)
     fits = lambda n: n + 1 <= max_positions  # noqa: E731
     return Grid(tuple(n for n in g.prefill_tokens if fits(n)), g.cached_fractions, g.chunk,
                 g.decode_batches, tuple(c for c in g.decode_contexts if fits(c)),
-                g.store_blocks, g.repeats)
+                g.store_blocks, g.repeats, g.decode_rounds)
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,8 @@ def run_profile(s: ProfileSettings) -> Profile:
     prefill_cases += [(n, f, grid.chunk) for n in grid.prefill_tokens
                       for f in grid.cached_fractions if n - (int(n * f) // bs) * bs > grid.chunk]
     decode_cases = [(b, c) for c in grid.decode_contexts for b in grid.decode_batches]
-    total = len(prefill_cases) + len(decode_cases) + 2 * len(grid.store_blocks)
-    bar = tqdm(total=total, desc="kvengine profile", unit="point", file=sys.stderr,
+    total = len(prefill_cases) + grid.rounds + 2 * len(grid.store_blocks)
+    bar = tqdm(total=total, desc="kvengine profile", unit="step", file=sys.stderr,
                disable=not s.progress)
 
     prefill: list[PrefillPoint] = []
@@ -184,14 +190,22 @@ def run_profile(s: ProfileSettings) -> Profile:
         prefill.append(PrefillPoint(n - cached, cached, chunk, sec))
         bar.update(1)
 
-    decode: list[DecodePoint] = []
-    for b, ctx in decode_cases:
-        bar.set_postfix_str(f"decode batch {b}, context {ctx}")
-        items = [StepItem(_tokens(gen, vocab, 1), ctx, list(range(i * per_seq, (i + 1) * per_seq)))
-                 for i in range(b)]
-        decode.append(DecodePoint(b, ctx, _median_time(lambda items=items: runner.execute(items),
-                                                       grid.repeats, sync)))
-        bar.update(1)
+    # A decode step takes tens of milliseconds and a shared machine's noise comes in bursts
+    # longer than that, so the repeats are rounds over every decode point rather than back to
+    # back: a burst costs each point at most a sample or two, not its median.
+    steps = [[StepItem(_tokens(gen, vocab, 1), ctx, list(range(i * per_seq, (i + 1) * per_seq)))
+              for i in range(b)] for b, ctx in decode_cases]
+    times: list[list[float]] = [[] for _ in steps]
+    for r in range(grid.rounds + 1):  # round 0 is the warm-up
+        bar.set_postfix_str(f"decode round {r}/{grid.rounds}" if r else "decode warm-up")
+        for items, seen in zip(steps, times):
+            t0 = time.perf_counter()
+            runner.execute(items)
+            sync()
+            if r:
+                seen.append(time.perf_counter() - t0)
+        bar.update(1 if r else 0)
+    decode = [DecodePoint(b, ctx, statistics.median(seen)) for (b, ctx), seen in zip(decode_cases, times)]
 
     loads, saves, transport = _measure_store(runner, grid, gen, bar, sync)
     bar.close()
@@ -224,7 +238,7 @@ def run_profile(s: ProfileSettings) -> Profile:
         extra={"chunk": grid.chunk, "prefill_tokens": list(grid.prefill_tokens),
                "cached_fractions": list(grid.cached_fractions),
                "decode_batches": list(grid.decode_batches),
-               "decode_contexts": list(grid.decode_contexts),
+               "decode_contexts": list(grid.decode_contexts), "decode_rounds": grid.rounds,
                "store_blocks": list(grid.store_blocks)})
 
 
