@@ -93,7 +93,7 @@ def check(runs: list[Path], profiles: list[str], parts: list[str]) -> dict[str, 
             "parts": out, "ok": f"{sum(r['verdict'] == 'ok' for r in out)}/{len(out)}"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recommend_check",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--runs", nargs="+", required=True, help="benchmarks.compare output directories")
@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="kvengine profile files (per thread count), as kvplan takes them")
     p.add_argument("--parts", default=",".join(PARTS), help="part labels (default %(default)s)")
     p.add_argument("--out", default="results/recommend_check", help="output directory (default %(default)s)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rec = check([Path(r) for r in args.runs], args.profile, args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
