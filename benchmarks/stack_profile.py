@@ -49,7 +49,7 @@ from benchmarks import lifecycle
 from benchmarks.compare import CONFIGS
 from benchmarks.load_client import ClientConfig, fetch_model, run_workload
 from benchmarks.sweep import Configuration, Launched
-from engine.profile.format import Profile, Serving, ServingPoint, load, save
+from engine.profile.format import Profile, Serving, ServingPoint, load, nonneg_lstsq, save
 from planner.metrics import RequestResult
 from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
@@ -104,19 +104,9 @@ def steady_gap(results: list[RequestResult]) -> float | None:
 def fit_line(batches: list[int], extra: list[float]) -> tuple[float, float]:
     """Non-negative ``(step_s, token_s)`` of ``extra ~ step_s + token_s * batch`` (least
     squares over the subsets whose coefficients come out non-negative; 0, 0 if none)."""
-    x = np.array([[1.0, float(b)] for b in batches])
     y = np.array(extra, dtype=np.float64)
-    best: tuple[float, tuple[float, float]] = (float(np.sum(y ** 2)), (0.0, 0.0))
-    for cols in ([0], [1], [0, 1]):
-        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if np.any(sol < 0):
-            continue
-        coef = np.zeros(2)
-        coef[cols] = sol
-        sse = float(np.sum((x @ coef - y) ** 2))
-        if sse < best[0] - 1e-18:
-            best = (sse, (float(coef[0]), float(coef[1])))
-    return best[1]
+    coef = nonneg_lstsq(np.array([[1.0, float(b)] for b in batches]), y, np.ones_like(y))
+    return (0.0, 0.0) if coef is None else (float(coef[0]), float(coef[1]))
 
 
 def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchRequest]]) -> list[list[RequestResult]]:

@@ -74,7 +74,7 @@ import numpy as np
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "CURVES", "Hardware", "ModelShape", "StoreInfo", "Fit",
-    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "Profile", "fit_curve",
+    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "Profile", "fit_curve", "nonneg_lstsq",
     "features", "load", "save",
 ]
 
@@ -246,35 +246,42 @@ def _point_features(curve: str, p: Any) -> dict[str, float]:
     return features(curve, bytes=p.bytes)
 
 
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray, need: int | None = None) -> np.ndarray | None:
+    """Coefficients ``c >= 0`` minimising ``sum(((x @ c - y) * w) ** 2)``: of the column subsets
+    (holding column ``need``, if given) whose unconstrained least squares comes out
+    non-negative, the best, the other coefficients 0; None when no subset does."""
+    n = x.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for r in range(1, n + 1):
+        for subset in itertools.combinations(range(n), r):
+            cols = list(subset)
+            if need is not None and need not in cols:
+                continue
+            a = x[:, cols] * w[:, None]
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # conditioning
+            sol, *_ = np.linalg.lstsq(a / scale, y * w, rcond=None)
+            sol = sol / scale
+            if np.any(sol < 0):
+                continue
+            coef = np.zeros(n)
+            coef[cols] = sol
+            sse = float(np.sum(((x @ coef - y) * w) ** 2))
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, coef)
+    return None if best is None else best[1]
+
+
 def fit_curve(curve: str, points: Sequence[Any]) -> Fit:
     """Least squares of relative error with non-negative coefficients (best subset of terms
     that holds the curve's ``REQUIRED`` term)."""
     terms = TERMS[curve]
-    need = terms.index(REQUIRED[curve])
     if not points:
         raise ValueError(f"no points to fit for {curve}")
     x = np.array([[_point_features(curve, p)[t] for t in terms] for p in points], dtype=np.float64)
     y = np.array([p.seconds for p in points], dtype=np.float64)
     w = 1.0 / np.maximum(y, 1e-12)
-    best: tuple[float, np.ndarray] | None = None
-    for r in range(1, len(terms) + 1):
-        for subset in itertools.combinations(range(len(terms)), r):
-            cols = list(subset)
-            if need not in cols:
-                continue
-            a = x[:, cols] * w[:, None]
-            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # conditioning
-            sol, *_ = np.linalg.lstsq(a / scale, np.ones_like(y), rcond=None)
-            sol = sol / scale
-            if np.any(sol < 0):
-                continue
-            coef = np.zeros(len(terms))
-            coef[cols] = sol
-            sse = float(np.sum(((x @ coef - y) * w) ** 2))
-            if best is None or sse < best[0] - 1e-15:
-                best = (sse, coef)
-    assert best is not None  # the required term alone always fits non-negatively (y > 0)
-    coef = best[1]
+    coef = nonneg_lstsq(x, y, w, terms.index(REQUIRED[curve]))
+    assert coef is not None  # the required term alone always fits non-negatively (y > 0)
     rel = np.abs(x @ coef - y) * w
     return Fit(form=FORMS[curve], terms=terms, coefficients=tuple(float(c) for c in coef),
                max_rel_error=float(rel.max()), rms_rel_error=float(math.sqrt(np.mean(rel**2))))
