@@ -16,21 +16,20 @@ Every candidate is one of the configurations each compare run measured, one afte
 the same run (``CANDIDATE_RUNS``), so the rejected configurations ran beside the recommended
 one. Each run scores a configuration as the planner does: the highest rate still keeping 90%
 attainment (interpolated), then the attainment at the lowest rate. The verdict per part is
-``ok`` when the recommendation is the best measured, or within noise of it (not every run of
-the best beats every run of the recommendation). Writes ``OUT/recommend_check.json`` and
-prints one JSON line.
+``ok`` when the recommendation is the best measured, or within noise of it
+(``benchmarks.sim_fidelity.verdict``, as for the simulator's own choices). Writes
+``OUT/recommend_check.json`` and prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim_fidelity import _argv, _measured, _strip_objectives
+from benchmarks.sim_fidelity import _argv, _measured, _strip_objectives, verdict
 from benchmarks.sweep import build_parser as sweep_parser
 from planner.cli import build_parser as kvplan_parser
 from planner.metrics import max_rate_meeting
@@ -61,13 +60,6 @@ def score(points: list[dict[str, Any]]) -> tuple[float, float]:
     """One run's score of one configuration, ordered as the planner ranks."""
     rate = max_rate_meeting(points)["interpolated"] or 0.0
     return rate, points[0]["summary"]["attainment"] if points else 0.0
-
-
-def verdict(chosen: str, measured: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
-    best = max(measured, key=lambda c: (statistics.median(s[0] for s in measured[c]),
-                                        statistics.median(s[1] for s in measured[c])))
-    beaten = best != chosen and all(b > c for b in measured[best] for c in measured.get(chosen, []))
-    return {"measured_best": best, "verdict": "off" if beaten or chosen not in measured else "ok"}
 
 
 def check(runs: list[Path], profiles: list[str], parts: list[str]) -> dict[str, Any]:

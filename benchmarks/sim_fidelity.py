@@ -167,11 +167,22 @@ def fidelity(runs: list[Path], profiles: Profiles, labels: list[str]) -> dict[st
             "parts": parts}
 
 
+def verdict(chosen: str, measured: dict[str, list[tuple[float, ...]]]) -> dict[str, Any]:
+    """The measured best configuration (the highest medians of its runs' scores, which compare
+    as tuples) and the verdict on ``chosen``: ``ok`` when it is the best or within noise of it
+    (not every run of the best beats every run of ``chosen``)."""
+    def medians(c: str) -> tuple[float, ...]:
+        return tuple(statistics.median(s[i] for s in measured[c]) for i in range(len(measured[c][0])))
+
+    best = max(measured, key=medians)
+    beaten = best != chosen and all(b > c for b in measured[best] for c in measured.get(chosen, []))
+    return {"measured_best": best, "verdict": "off" if beaten or chosen not in measured else "ok"}
+
+
 def _choices(rates_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per part: the configuration the simulator ranks first (the highest interpolated rate at
     90% attainment; ties keep compare's order) against the measured best (the highest median
-    over the runs); ``ok`` when it is the measured best or within noise of it (the best's
-    runs do not all beat every run of the chosen one)."""
+    over the runs), judged by ``verdict``."""
     out = []
     for part in sorted({r["part"].removesuffix("_salted") for r in rates_rows}):
         rows = [r for r in rates_rows if r["part"] == part]
@@ -179,12 +190,10 @@ def _choices(rates_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         sim_best = max(rows, key=lambda r: r["sim_interpolated"] or 0.0)
         meas = {r["config"]: [x or 0.0 for x in r["measured_interpolated"]] for r in rows}
-        meas_best = max(meas, key=lambda c: statistics.median(meas[c]))
-        chosen = meas[sim_best["config"]]
-        beaten = all(b > c for b in meas[meas_best] for c in chosen) and meas_best != sim_best["config"]
-        out.append({"part": part, "simulated_best": sim_best["config"], "measured_best": meas_best,
+        v = verdict(sim_best["config"], {c: [(x,) for x in xs] for c, xs in meas.items()})
+        out.append({"part": part, "simulated_best": sim_best["config"], "measured_best": v["measured_best"],
                     "measured": meas, "simulated": {r["config"]: r["sim_interpolated"] for r in rows},
-                    "verdict": "off" if beaten else "ok"})
+                    "verdict": v["verdict"]})
     return out
 
 

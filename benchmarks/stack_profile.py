@@ -230,7 +230,7 @@ def _batches(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.stack_profile", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stack_profile", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="the kvengine profile file to add the serving section to")
     p.add_argument("--out", default=None, help="where to write the profile (default: over --profile)")
