@@ -29,7 +29,6 @@ Writes ``OUT/fidelity.json``, ``OUT/fidelity.md`` (the table) and ``OUT/fidelity
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import statistics
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     profiles = [load(path) for path in args.profile]
     if args.engine_only:
-        profiles = [dataclasses.replace(p, serving=None) for p in profiles]
+        profiles = [p.engine_only() for p in profiles]
     rec = fidelity([Path(r) for r in args.runs], Profiles(profiles), args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def fit_line(batches: list[int], extra: list[float]) -> tuple[float, float]:
 
 def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchRequest]]) -> list[list[RequestResult]]:
     """The rounds through the simulator, with the engine's curves and no serving cost."""
-    bare = Profiles([replace(profile, serving=None)])
+    bare = Profiles([profile.engine_only()])
     cluster = SimCluster(replace(config, hop_s=0.0), bare.costs_for)
     out = []
     for reqs in rounds:

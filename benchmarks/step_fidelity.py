@@ -18,7 +18,6 @@ Prints one JSON line; ``--out`` writes it to a file too.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -75,7 +74,7 @@ def compare(costs: StepCosts, lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_fidelity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_fidelity", description=(__doc__ or "").split("\n")[0])
     p.add_argument("traces", nargs="+", help="step trace files (kvengine serve --step-trace)")
     p.add_argument("--profile", required=True, help="the profile to price the steps with")
     p.add_argument("--block-size", type=int, default=None, help="the workers' block size (default the profile's)")
@@ -85,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    costs = StepCosts(dataclasses.replace(load_profile(args.profile), serving=None), args.block_size)
+    costs = StepCosts(load_profile(args.profile).engine_only(), args.block_size)
     out: dict[str, Any] = {"bench": "step_fidelity", "profile": args.profile, "traces": {}}
     for path in args.traces:
         lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]

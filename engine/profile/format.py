@@ -66,7 +66,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +300,10 @@ class Profile:
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # settings of the run, free-form
     serving: Serving | None = None  # what the serving stack adds (benchmarks.stack_profile)
+
+    def engine_only(self) -> Profile:
+        """This profile without its serving section: the engine's own times."""
+        return replace(self, serving=None)
 
     def evaluate(self, curve: str, **args: float) -> float:
         """Seconds the fitted ``curve`` predicts at ``args`` (its features' names)."""
