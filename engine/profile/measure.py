@@ -17,7 +17,7 @@ that this module starts (a child process, its own session) and stops.
   loaded back (``load_blocks``: get, verify, scatter into other blocks).
 
 Each point is the median of ``repeats`` timed runs after one warm-up run; a decode point, of
-``decode_rounds`` rounds over every decode point (module code: noise comes in bursts).
+``decode_rounds`` rounds over every decode point (noise comes in bursts; see ``run_profile``).
 """
 
 from __future__ import annotations
@@ -57,18 +57,14 @@ class Grid:
     decode_contexts: tuple[int, ...]
     store_blocks: tuple[int, ...]
     repeats: int
-    decode_rounds: int = 0  # timed rounds over every decode point (0: ``repeats``)
-
-    @property
-    def rounds(self) -> int:
-        return self.decode_rounds or self.repeats
+    decode_rounds: int  # timed rounds over every decode point
 
 
 def default_grid(quick: bool, max_positions: int, chunk: int | None = None) -> Grid:
     """The full grid (over 7 minutes for SmolLM2-135M on 2 contended CPU cores) or ``quick``'s."""
     if quick:
         g = Grid((64, 256, 512), (0.0, 0.5, 0.9), chunk or 128, (1, 4, 16), (128, 512),
-                 (1, 8, 32), 1)
+                 (1, 8, 32), 1, 1)
     else:
         g = Grid((64, 128, 256, 512, 1024, 2048), (0.0, 0.5, 0.9), chunk or 512,
                  (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), (128, 512, 1024, 2048), (1, 4, 16, 64), 3, 9)
@@ -168,7 +164,7 @@ def run_profile(s: ProfileSettings) -> Profile:
     prefill_cases += [(n, f, grid.chunk) for n in grid.prefill_tokens
                       for f in grid.cached_fractions if n - (int(n * f) // bs) * bs > grid.chunk]
     decode_cases = [(b, c) for c in grid.decode_contexts for b in grid.decode_batches]
-    total = len(prefill_cases) + grid.rounds + 2 * len(grid.store_blocks)
+    total = len(prefill_cases) + grid.decode_rounds + 2 * len(grid.store_blocks)
     bar = tqdm(total=total, desc="kvengine profile", unit="step", file=sys.stderr,
                disable=not s.progress)
 
@@ -196,15 +192,16 @@ def run_profile(s: ProfileSettings) -> Profile:
     steps = [[StepItem(_tokens(gen, vocab, 1), ctx, list(range(i * per_seq, (i + 1) * per_seq)))
               for i in range(b)] for b, ctx in decode_cases]
     times: list[list[float]] = [[] for _ in steps]
-    for r in range(grid.rounds + 1):  # round 0 is the warm-up
-        bar.set_postfix_str(f"decode round {r}/{grid.rounds}" if r else "decode warm-up")
+    for r in range(grid.decode_rounds + 1):  # round 0 is the warm-up
+        bar.set_postfix_str(f"decode round {r}/{grid.decode_rounds}" if r else "decode warm-up")
         for items, seen in zip(steps, times):
             t0 = time.perf_counter()
             runner.execute(items)
             sync()
             if r:
                 seen.append(time.perf_counter() - t0)
-        bar.update(1 if r else 0)
+        if r:
+            bar.update(1)
     decode = [DecodePoint(b, ctx, statistics.median(seen)) for (b, ctx), seen in zip(decode_cases, times)]
 
     loads, saves, transport = _measure_store(runner, grid, gen, bar, sync)
@@ -238,7 +235,7 @@ def run_profile(s: ProfileSettings) -> Profile:
         extra={"chunk": grid.chunk, "prefill_tokens": list(grid.prefill_tokens),
                "cached_fractions": list(grid.cached_fractions),
                "decode_batches": list(grid.decode_batches),
-               "decode_contexts": list(grid.decode_contexts), "decode_rounds": grid.rounds,
+               "decode_contexts": list(grid.decode_contexts), "decode_rounds": grid.decode_rounds,
                "store_blocks": list(grid.store_blocks)})
 
 
