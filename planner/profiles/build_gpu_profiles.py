@@ -253,12 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.extract_mlp:
         extract_mlp(args.extract_mlp)
     profile = build_a100_llama3_8b()
-    text = render(profile)
     if args.check:
         ok = A100_LLAMA3_8B.is_file() and same(json.loads(A100_LLAMA3_8B.read_text()), profile.to_json())
         print(f"{A100_LLAMA3_8B.name}: {'up to date' if ok else 'differs from a rebuild'}")
         return 0 if ok else 1
-    A100_LLAMA3_8B.write_text(text)
+    A100_LLAMA3_8B.write_text(render(profile))
     print(f"wrote {A100_LLAMA3_8B}")
     return 0
 
