@@ -21,7 +21,12 @@ requests of its own (never the runs a simulation is later checked against):
    the unloaded requests (a first token is three messages: client -> router -> worker ->
    router -> client, counted as three hops), and ``step_s + token_s * b`` the non-negative line
    through the differences of the steady inter-token gaps (each round's median gap while all
-   ``b`` requests decode, measured against simulated).
+   ``b`` requests decode, measured against simulated);
+5. prefill under load: ``probe_decoding`` requests stream ``probe_output`` tokens while
+   ``probes`` prompts of ``probe_prompt`` tokens arrive ``probe_gap_s`` apart (2 tokens out
+   each). The simulator, now with the hop, step and token costs of 4., predicts their TTFTs;
+   ``prefill_factor`` is ``1 +`` the median of what it still misses over the engine's own
+   time for that prefill (the stack's CPU slows prefill work down as well as decode steps).
 
 It writes the profile back (``--out``; default in place) with the section
 (``engine.profile.format.Serving``), plots measured, engine-only and engine + stack gaps
@@ -49,7 +54,7 @@ from benchmarks import lifecycle
 from benchmarks.compare import CONFIGS
 from benchmarks.load_client import ClientConfig, fetch_model, run_workload
 from benchmarks.sweep import Configuration, Launched
-from engine.profile.format import Profile, Serving, ServingPoint, load, nonneg_lstsq, save
+from engine.profile.format import Profile, Serving, ServingPoint, ServingPrefillPoint, load, nonneg_lstsq, save
 from planner.metrics import RequestResult
 from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
@@ -81,7 +86,18 @@ def requests(args: argparse.Namespace, vocab: int) -> list[list[BenchRequest]]:
         for r in range(args.rounds):
             out.append([BenchRequest(f"b{b}-r{r}-{j}", space.random(rng, args.prompt), args.output, tag=str(b))
                         for j in range(b)])
+    out.append(probe_round(args, space, rng))
     return out
+
+
+def probe_round(args: argparse.Namespace, space: TokenSpace, rng: np.random.Generator) -> list[BenchRequest]:
+    """Step 5's round: streams first, then the probes (tag ``probe``) while they decode."""
+    reqs = [BenchRequest(f"stream-{j}", space.random(rng, args.prompt), args.probe_output, tag="stream")
+            for j in range(args.probe_decoding)]
+    for i in range(args.probes):
+        reqs.append(BenchRequest(f"probe-{i}", space.random(rng, args.probe_prompt), 2,
+                                 arrival_s=args.probe_gap_s * (i + 1), tag="probe"))
+    return reqs
 
 
 def steady_gap(results: list[RequestResult]) -> float | None:
@@ -110,9 +126,10 @@ def fit_line(batches: list[int], extra: list[float]) -> tuple[float, float]:
 
 
 def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchRequest]]) -> list[list[RequestResult]]:
-    """The rounds through the simulator, with the engine's curves and no serving cost."""
-    bare = Profiles([profile.engine_only()])
-    cluster = SimCluster(replace(config, hop_s=0.0), bare.costs_for)
+    """The rounds through the simulator with the profile as given (``engine_only()``: the
+    engine's curves and no serving cost)."""
+    profiles = Profiles([profile])
+    cluster = SimCluster(replace(config, hop_s=None), profiles.costs_for)
     out = []
     for reqs in rounds:
         run = cluster.run_workload(reqs)
@@ -159,9 +176,33 @@ def serving_section(args: argparse.Namespace, layout: str, measured: list[list[R
            f"{args.hops} unloaded {args.hop_prompt}-token requests, then {args.rounds} rounds of "
            f"{','.join(map(str, args.batches))} concurrent {args.prompt}+{args.output}-token requests; "
            f"seed {args.seed}")
+    how += (f"; prefill under load: {args.probes} {args.probe_prompt}-token prompts {args.probe_gap_s} s apart "
+            f"while {args.probe_decoding} requests stream {args.probe_output} tokens")
     return Serving(how=how, prompt_tokens=args.hop_prompt, hop_s=hop, step_s=step_s, token_s=token_s,
                    ttft_measured_s=ttft_m, ttft_simulated_s=ttft_s, points=tuple(points),
                    created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+
+def prefill_load(section: Serving, config: ClusterConfig, profile: Profile, probes: list[BenchRequest],
+                 measured: list[RequestResult], simulated: list[RequestResult]) -> Serving:
+    """Step 5: ``section`` with ``prefill_factor`` and its points. ``simulated``: the probe
+    round through the simulator with ``section``'s hop, step and token costs."""
+    spec = config.colocated_spec if config.mode == "colocated" else config.prefill_spec
+    chunk = spec.max_num_batched_tokens if spec.enable_chunked_prefill else 0
+    costs = Profiles([profile.engine_only()]).costs_for(spec)
+    sim = {r.request_id: r for r in simulated}
+    points, ratios = [], []
+    for m in measured:
+        s = sim.get(m.request_id)
+        if not m.request_id.startswith("probe-") or s is None or m.ttft_s is None or s.ttft_s is None:
+            continue
+        n = next(len(r.prompt) for r in probes if r.request_id == m.request_id)
+        engine = costs.prefill_s(n, 0, chunk)
+        points.append(ServingPrefillPoint(n, sum(1 for r in probes if r.tag == "stream"), m.ttft_s, s.ttft_s, engine))
+        ratios.append((m.ttft_s - s.ttft_s) / engine)
+    if not ratios:
+        raise RuntimeError("no probe of the prefill-under-load round was measured")
+    return replace(section, prefill_factor=max(1.0 + statistics.median(ratios), 0.1), prefill_points=tuple(points))
 
 
 def plot(profile: Profile, path: Path) -> None:
@@ -208,8 +249,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = asyncio.run(_measure(f"http://127.0.0.1:{port}", rounds, not args.no_progress))
     finally:
         launched.stop()
-    simulated = simulate(config, profile, rounds)
-    section = serving_section(args, layout, measured, simulated)
+    simulated = simulate(config, profile.engine_only(), rounds)
+    section = serving_section(args, layout, measured[:-1], simulated[:-1])
+    probes = rounds[-1]
+    with_stack = simulate(config, replace(profile, serving=section), [probes])[0]
+    section = prefill_load(section, config, profile, probes, measured[-1], with_stack)
     profile = replace(profile, serving=section)
     save(profile, out)
     plot(profile, out.with_suffix(".png"))
@@ -219,6 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gaps_ms": [[p.batch, round(p.measured_gap_s * 1e3, 1), round(p.simulated_gap_s * 1e3, 1)]
                         for p in section.points],
             "ttft_ms": [round(section.ttft_measured_s * 1e3, 1), round(section.ttft_simulated_s * 1e3, 1)],
+            "prefill_factor": round(section.prefill_factor, 3),
+            "probe_ttft_ms": [[round(p.measured_ttft_s * 1e3, 1), round(p.simulated_ttft_s * 1e3, 1),
+                               round(p.engine_prefill_s * 1e3, 1)] for p in section.prefill_points],
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -243,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="rounds per batch size")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of a round's requests")
     p.add_argument("--output", type=int, default=96, help="output tokens of a round's requests")
+    p.add_argument("--probes", type=int, default=4, help="prompts sent while others stream (prefill under load)")
+    p.add_argument("--probe-prompt", type=int, default=384, help="their prompt tokens")
+    p.add_argument("--probe-gap-s", type=float, default=2.0, help="seconds between them")
+    p.add_argument("--probe-decoding", type=int, default=2, help="requests streaming while they arrive")
+    p.add_argument("--probe-output", type=int, default=288,
+                   help="those requests' output tokens (enough to outlast the probes)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -252,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.hops < 1 or args.rounds < 1 or args.output < 3:
         raise SystemExit("--hops and --rounds are at least 1, --output at least 3")
+    if args.probes < 1 or args.probe_prompt < 1 or args.probe_decoding < 1 or args.probe_gap_s <= 0:
+        raise SystemExit("--probes, --probe-prompt and --probe-decoding are at least 1, --probe-gap-s positive")
     print(json.dumps(run(args)), flush=True)
 
 

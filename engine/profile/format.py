@@ -21,8 +21,10 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
       },
       "serving": optional, absent until ``python -m benchmarks.stack_profile`` adds it:
                  {created, how (the stack measured, in words), prompt_tokens, hop_s, step_s,
-                  token_s, ttft_measured_s, ttft_simulated_s,
-                  points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}]}
+                  token_s, ttft_measured_s, ttft_simulated_s, prefill_factor,
+                  points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}],
+                  prefill_points: [{prompt_tokens, decoding, measured_ttft_s, simulated_ttft_s,
+                                    engine_prefill_s}]}
     }
 
 Each ``fit`` is ``{form, terms, coefficients, max_rel_error, rms_rel_error}``: the curve's time
@@ -54,7 +56,12 @@ a colocated request's first token is three of them), and per decode step ``step_
 token_s * batch`` (the stack's CPU for each streamed token). Measured by sending the same
 requests to the real stack and to the simulator with none of it: ``hop_s`` is a third of the
 median unloaded TTFT difference, and ``step_s``, ``token_s`` the non-negative line through the
-difference of the steady inter-token gaps at each batch (``points``).
+difference of the steady inter-token gaps at each batch (``points``). ``prefill_factor``
+multiplies the engine's prefill work (each chunk's time, and a prefill-only step's overhead)
+while other requests stream: the stack's CPU slows a prefill down too, not only the decode
+steps. It is ``1 +`` the median over ``prefill_points`` (prompts sent while ``decoding``
+requests stream) of the TTFT the simulator with hop, step and token costs still misses, over
+the engine's own time for that prefill (1.0 when absent).
 
 ``load(path)`` / ``save(path)`` read and write the file (``load`` refuses another schema
 or a newer version); ``Profile.evaluate(curve, **args)`` evaluates a curve's fit anywhere.
@@ -74,7 +81,7 @@ import numpy as np
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "CURVES", "Hardware", "ModelShape", "StoreInfo", "Fit",
-    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "Profile", "fit_curve", "nonneg_lstsq",
+    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "ServingPrefillPoint", "Profile", "fit_curve", "nonneg_lstsq",
     "features", "load", "save",
 ]
 
@@ -164,6 +171,15 @@ class ServingPoint:
 
 
 @dataclass(frozen=True)
+class ServingPrefillPoint:
+    prompt_tokens: int
+    decoding: int  # requests streaming while it was sent
+    measured_ttft_s: float  # through the stack
+    simulated_ttft_s: float  # the simulator with hop, step and token costs (factor 1)
+    engine_prefill_s: float  # the engine's own time for this prefill, from the curves
+
+
+@dataclass(frozen=True)
 class Serving:
     """What the serving stack adds to the engine's times (see the module docstring)."""
 
@@ -176,13 +192,17 @@ class Serving:
     ttft_simulated_s: float
     points: tuple[ServingPoint, ...] = ()
     created: str = ""
+    prefill_factor: float = 1.0  # prefill work under streaming load / the engine's curves
+    prefill_points: tuple[ServingPrefillPoint, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "points": [asdict(p) for p in self.points]}
+        return {**asdict(self), "points": [asdict(p) for p in self.points],
+                "prefill_points": [asdict(p) for p in self.prefill_points]}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Serving:
-        return cls(**{**obj, "points": tuple(ServingPoint(**p) for p in obj.get("points", ()))})
+        return cls(**{**obj, "points": tuple(ServingPoint(**p) for p in obj.get("points", ())),
+                      "prefill_points": tuple(ServingPrefillPoint(**p) for p in obj.get("prefill_points", ()))})
 
 
 Point = PrefillPoint | DecodePoint | TransferPoint

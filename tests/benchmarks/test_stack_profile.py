@@ -67,6 +67,7 @@ def test_a_real_stack_on_the_tiny_model_writes_its_section(tmp_path: Path) -> No
     proc = subprocess.run([sys.executable, "-m", "benchmarks.stack_profile", "--profile", str(prof), "--out", str(out),
                            "--model", str(tiny_model_dir), "--up", "--mode colocated --threads-per-worker 1",
                            "--batches", "1,4", "--rounds", "1", "--hops", "2", "--prompt", "32", "--output", "12",
+                           "--probes", "2", "--probe-prompt", "96", "--probe-gap-s", "0.4", "--probe-output", "40",
                            "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,4 +80,8 @@ def test_a_real_stack_on_the_tiny_model_writes_its_section(tmp_path: Path) -> No
     assert sv.hop_s <= (sv.ttft_measured_s - sv.ttft_simulated_s) / 3 * 1.5
     assert sv.step_s >= 0 and sv.token_s >= 0 and all(p.measured_gap_s > 0 for p in sv.points)
     assert "kvrouter up --mode colocated" in sv.how
+    # Prefill under load: both probes measured against the simulator with the stack's costs.
+    assert [(p.prompt_tokens, p.decoding) for p in sv.prefill_points] == [(96, 2), (96, 2)]
+    assert all(p.measured_ttft_s > 0 and p.simulated_ttft_s > 0 and p.engine_prefill_s > 0 for p in sv.prefill_points)
+    assert sv.prefill_factor > 0 and line["prefill_factor"] == pytest.approx(sv.prefill_factor, abs=1e-3)
     assert out.with_suffix(".png").stat().st_size > 5000

@@ -105,8 +105,22 @@ def test_a_serving_section_adds_the_stack_to_decode_steps_and_its_hop_to_message
     assert fixed.ttft_s == pytest.approx(base.ttft_s, rel=1e-6)
 
 
+def test_the_prefill_factor_scales_prefill_work_and_nothing_else() -> None:
+    loaded = dataclasses.replace(serving(), prefill_factor=1.5)
+    plain, served = StepCosts(profile()), StepCosts(dataclasses.replace(profile(), serving=loaded))
+    # A prefill-only step (overhead and chunks) costs 1.5x the curves'.
+    assert served.step_s([], [(100, 0), (50, 20)]) == pytest.approx(1.5 * plain.step_s([], [(100, 0), (50, 20)]))
+    # A mixed step: its decode part as before (plus the stack), its chunk's marginal time 1.5x.
+    chunk = plain.chunk_s(10, 0)
+    assert served.step_s([128], [(10, 0)]) - plain.step_s([128], [(10, 0)]) == pytest.approx(0.005 + 0.5 * chunk)
+    # Decode-only steps are untouched by the factor.
+    assert served.step_s([128] * 4, []) == pytest.approx(StepCosts(dataclasses.replace(
+        profile(), serving=serving())).step_s([128] * 4, []))
+
+
 def test_the_serving_section_round_trips_through_the_profile_file(tmp_path: Path) -> None:
-    prof = dataclasses.replace(profile(), serving=serving())
+    prof = dataclasses.replace(profile(), serving=dataclasses.replace(
+        serving(), prefill_factor=1.2, prefill_points=(pf.ServingPrefillPoint(384, 2, 2.1, 1.8, 1.5),)))
     back = pf.load(pf.save(prof, tmp_path / "p.json"))
     assert back.serving == prof.serving and back.curves.keys() == prof.curves.keys()
     assert "serving" not in json.loads(pf.save(profile(), tmp_path / "q.json").read_text())
