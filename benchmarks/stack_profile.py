@@ -24,9 +24,13 @@ requests of its own (never the runs a simulation is later checked against):
    ``b`` requests decode, measured against simulated);
 5. prefill under load: ``probe_decoding`` requests stream ``probe_output`` tokens while
    ``probes`` prompts of ``probe_prompt`` tokens arrive ``probe_gap_s`` apart (2 tokens out
-   each). The simulator, now with the hop, step and token costs of 4., predicts their TTFTs;
-   ``prefill_factor`` is ``1 +`` the median of what it still misses over the engine's own
-   time for that prefill (the stack's CPU slows prefill work down as well as decode steps).
+   each). The workers log their steps (``kvengine serve --step-trace``); ``prefill_factor``
+   is the median, over the steps of that round that compute at least ``MIN_PREFILL_TOKENS``
+   prompt tokens, of the worker's own forward-pass time over the engine curves' price for the
+   same items: how much the stack's CPU slows prefill work, which 4. (decode steps) does not
+   see. The probes' TTFTs against the simulator with the hop, step and token costs are kept
+   beside it (``prefill_points``): what the split's path (the handoff, the second worker's
+   first step) adds shows there, and is not a prefill slowdown.
 
 It writes the profile back (``--out``; default in place) with the section
 (``engine.profile.format.Serving``), plots measured, engine-only and engine + stack gaps
@@ -53,17 +57,20 @@ from tqdm import tqdm
 from benchmarks import lifecycle
 from benchmarks.compare import CONFIGS
 from benchmarks.load_client import ClientConfig, fetch_model, run_workload
+from benchmarks.step_fidelity import classify
 from benchmarks.sweep import Configuration, Launched
 from engine.profile.format import Profile, Serving, ServingPoint, ServingPrefillPoint, load, nonneg_lstsq, save
 from planner.metrics import RequestResult
 from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
+from planner.sim.costs import StepCosts
 from planner.sim.run import Profiles
 from planner.workloads import BenchRequest, TokenSpace
 from router.cluster.child import free_port
 
 PY = sys.executable
 HOPS_PER_FIRST_TOKEN = 3
+MIN_PREFILL_TOKENS = 32  # a step counts as prefill work from this many prompt tokens
 
 
 def default_layout(profile: Profile) -> str:
@@ -137,12 +144,16 @@ def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchReq
     return out
 
 
-async def _measure(url: str, rounds: list[list[BenchRequest]], progress: bool) -> list[list[RequestResult]]:
+async def _measure(url: str, rounds: list[list[BenchRequest]], progress: bool,
+                   windows: list[tuple[float, float]]) -> list[list[RequestResult]]:
+    """The rounds through the real stack; ``windows`` gets each round's wall-clock span."""
     model = await fetch_model(url)
     cfg = ClientConfig(url, model, progress=False, request_timeout_s=300, max_duration_s=600, grace_s=120)
     out = []
     for reqs in tqdm(rounds, desc="stack profile", unit="round", disable=not progress):
+        start = time.time()
         run = await run_workload(reqs, cfg, desc="round")
+        windows.append((start, time.time()))
         bad = [r for r in run.results if not r.ok]
         if bad or len(run.results) != len(reqs):
             raise RuntimeError(f"a profiling request failed: {bad[0].error if bad else 'not sent'}")
@@ -183,26 +194,43 @@ def serving_section(args: argparse.Namespace, layout: str, measured: list[list[R
                    created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
 
+def prefill_steps(costs: StepCosts, steps: list[dict[str, Any]], window: tuple[float, float]) -> list[float]:
+    """Step 5's ratios: each traced step inside ``window`` that computes at least
+    ``MIN_PREFILL_TOKENS`` prompt tokens, its forward pass over the curves' price."""
+    out = []
+    for x in steps:
+        if not window[0] <= x["t"] <= window[1]:
+            continue
+        _, decodes, chunks = classify(x["items"])
+        if sum(k for k, _ in chunks) < MIN_PREFILL_TOKENS:
+            continue
+        price = costs.step_s(decodes, chunks)
+        if price > 0:
+            out.append(x["execute_s"] / price)
+    return out
+
+
 def prefill_load(section: Serving, config: ClusterConfig, profile: Profile, probes: list[BenchRequest],
-                 measured: list[RequestResult], simulated: list[RequestResult]) -> Serving:
-    """Step 5: ``section`` with ``prefill_factor`` and its points. ``simulated``: the probe
-    round through the simulator with ``section``'s hop, step and token costs."""
+                 measured: list[RequestResult], simulated: list[RequestResult], ratios: list[float]) -> Serving:
+    """Step 5: ``section`` with ``prefill_factor`` (the median of ``ratios``, from
+    ``prefill_steps``) and the probes' TTFTs (``simulated``: the probe round through the
+    simulator with ``section``'s hop, step and token costs)."""
+    if not ratios:
+        raise RuntimeError("no traced prefill step in the prefill-under-load round (are the workers tracing steps?)")
     spec = config.colocated_spec if config.mode == "colocated" else config.prefill_spec
     chunk = spec.max_num_batched_tokens if spec.enable_chunked_prefill else 0
     costs = Profiles([profile.engine_only()]).costs_for(spec)
     sim = {r.request_id: r for r in simulated}
-    points, ratios = [], []
+    streams = sum(1 for r in probes if r.tag == "stream")
+    points = []
     for m in measured:
         s = sim.get(m.request_id)
         if not m.request_id.startswith("probe-") or s is None or m.ttft_s is None or s.ttft_s is None:
             continue
         n = next(len(r.prompt) for r in probes if r.request_id == m.request_id)
-        engine = costs.prefill_s(n, 0, chunk)
-        points.append(ServingPrefillPoint(n, sum(1 for r in probes if r.tag == "stream"), m.ttft_s, s.ttft_s, engine))
-        ratios.append((m.ttft_s - s.ttft_s) / engine)
-    if not ratios:
-        raise RuntimeError("no probe of the prefill-under-load round was measured")
-    return replace(section, prefill_factor=max(1.0 + statistics.median(ratios), 0.1), prefill_points=tuple(points))
+        points.append(ServingPrefillPoint(n, streams, m.ttft_s, s.ttft_s, costs.prefill_s(n, 0, chunk)))
+    return replace(section, prefill_factor=statistics.median(ratios), prefill_steps=len(ratios),
+                   prefill_points=tuple(points))
 
 
 def plot(profile: Profile, path: Path) -> None:
@@ -240,20 +268,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = out.parent / (out.stem + "_stack_logs")
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    for old in logs.glob("steps-*.jsonl"):
+        old.unlink()
     command = (f"{PY} -m router.cli up --model {args.model} --port {port} --log-dir {logs} "
-               f"--store-memory 2G {layout}")
+               f"--store-memory 2G {layout} --worker-arg=--step-trace={logs}/steps-{{role}}-{{pid}}.jsonl")
     t0 = time.perf_counter()
     launched = Launched(Configuration("stack", command=command), open(logs / "up.log", "w"))
     try:
         launched.wait_ready(300)
-        measured = asyncio.run(_measure(f"http://127.0.0.1:{port}", rounds, not args.no_progress))
+        windows: list[tuple[float, float]] = []
+        measured = asyncio.run(_measure(f"http://127.0.0.1:{port}", rounds, not args.no_progress, windows))
     finally:
         launched.stop()
     simulated = simulate(config, profile.engine_only(), rounds)
     section = serving_section(args, layout, measured[:-1], simulated[:-1])
     probes = rounds[-1]
     with_stack = simulate(config, replace(profile, serving=section), [probes])[0]
-    section = prefill_load(section, config, profile, probes, measured[-1], with_stack)
+    costs = Profiles([profile.engine_only()]).costs_for(
+        config.colocated_spec if config.mode == "colocated" else config.prefill_spec)
+    steps = [json.loads(x) for f in sorted(logs.glob("steps-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
+    ratios = prefill_steps(costs, steps, windows[-1])
+    section = prefill_load(section, config, profile, probes, measured[-1], with_stack, ratios)
     profile = replace(profile, serving=section)
     save(profile, out)
     plot(profile, out.with_suffix(".png"))
@@ -263,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gaps_ms": [[p.batch, round(p.measured_gap_s * 1e3, 1), round(p.simulated_gap_s * 1e3, 1)]
                         for p in section.points],
             "ttft_ms": [round(section.ttft_measured_s * 1e3, 1), round(section.ttft_simulated_s * 1e3, 1)],
-            "prefill_factor": round(section.prefill_factor, 3),
+            "prefill_factor": round(section.prefill_factor, 3), "prefill_steps": section.prefill_steps,
             "probe_ttft_ms": [[round(p.measured_ttft_s * 1e3, 1), round(p.simulated_ttft_s * 1e3, 1),
                                round(p.engine_prefill_s * 1e3, 1)] for p in section.prefill_points],
             "seconds": round(time.perf_counter() - t0, 1)}

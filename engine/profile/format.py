@@ -21,7 +21,7 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
       },
       "serving": optional, absent until ``python -m benchmarks.stack_profile`` adds it:
                  {created, how (the stack measured, in words), prompt_tokens, hop_s, step_s,
-                  token_s, ttft_measured_s, ttft_simulated_s, prefill_factor,
+                  token_s, ttft_measured_s, ttft_simulated_s, prefill_factor, prefill_steps,
                   points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}],
                   prefill_points: [{prompt_tokens, decoding, measured_ttft_s, simulated_ttft_s,
                                     engine_prefill_s}]}
@@ -59,9 +59,10 @@ median unloaded TTFT difference, and ``step_s``, ``token_s`` the non-negative li
 difference of the steady inter-token gaps at each batch (``points``). ``prefill_factor``
 multiplies the engine's prefill work (each chunk's time, and a prefill-only step's overhead)
 while other requests stream: the stack's CPU slows a prefill down too, not only the decode
-steps. It is ``1 +`` the median over ``prefill_points`` (prompts sent while ``decoding``
-requests stream) of the TTFT the simulator with hop, step and token costs still misses, over
-the engine's own time for that prefill (1.0 when absent).
+steps. It is the median, over ``prefill_steps`` traced steps that computed prompt tokens while
+other requests streamed, of the worker's forward-pass time over the curves' price for the
+same items (1.0 when absent). ``prefill_points`` keep those prompts' TTFTs, measured and
+simulated with the hop, step and token costs, for reference.
 
 ``load(path)`` / ``save(path)`` read and write the file (``load`` refuses another schema
 or a newer version); ``Profile.evaluate(curve, **args)`` evaluates a curve's fit anywhere.
@@ -193,6 +194,7 @@ class Serving:
     points: tuple[ServingPoint, ...] = ()
     created: str = ""
     prefill_factor: float = 1.0  # prefill work under streaming load / the engine's curves
+    prefill_steps: int = 0  # traced steps prefill_factor is the median of
     prefill_points: tuple[ServingPrefillPoint, ...] = ()
 
     def to_json(self) -> dict[str, Any]:

@@ -46,6 +46,19 @@ def test_the_line_through_the_differences_is_non_negative() -> None:
     assert sp.fit_line([1, 4], [-0.01, -0.02]) == (0.0, 0.0)   # the stack never makes a step faster
 
 
+def test_prefill_steps_are_the_windows_steps_with_prompt_work() -> None:
+    class Flat:  # prices every step at 0.1 s
+        def step_s(self, decodes: list[int], chunks: list[tuple[int, int]]) -> float:
+            return 0.1
+
+    steps = [{"t": 5.0, "execute_s": 0.2, "items": [[256, 0], [1, 40]]},    # mixed: counted
+             {"t": 6.0, "execute_s": 0.15, "items": [[128, 256]]},          # prefill: counted
+             {"t": 6.5, "execute_s": 0.3, "items": [[1, 40], [1, 50]]},     # decodes only: not
+             {"t": 7.0, "execute_s": 0.3, "items": [[8, 0]]},               # under 32 prompt tokens: not
+             {"t": 20.0, "execute_s": 0.5, "items": [[256, 0]]}]            # outside the window: not
+    assert sp.prefill_steps(Flat(), steps, (4.0, 10.0)) == pytest.approx([2.0, 1.5])  # type: ignore[arg-type]
+
+
 def test_the_default_layout_fills_the_machine_with_the_profiles_threads() -> None:
     hw = pf.Hardware("cpu", "x", 2, 1, "x", "x", "native")
     base = pf.Profile(hw, None, None, {})  # type: ignore[arg-type]
@@ -84,4 +97,5 @@ def test_a_real_stack_on_the_tiny_model_writes_its_section(tmp_path: Path) -> No
     assert [(p.prompt_tokens, p.decoding) for p in sv.prefill_points] == [(96, 2), (96, 2)]
     assert all(p.measured_ttft_s > 0 and p.simulated_ttft_s > 0 and p.engine_prefill_s > 0 for p in sv.prefill_points)
     assert sv.prefill_factor > 0 and line["prefill_factor"] == pytest.approx(sv.prefill_factor, abs=1e-3)
+    assert sv.prefill_steps >= 2 and line["prefill_steps"] == sv.prefill_steps   # each probe's prefill was traced
     assert out.with_suffix(".png").stat().st_size > 5000
