@@ -65,6 +65,7 @@ from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
 from planner.sim.costs import StepCosts
 from planner.sim.run import Profiles
+from planner.sim.worker import WorkerSpec
 from planner.workloads import BenchRequest, TokenSpace
 from router.cluster.child import free_port
 
@@ -194,6 +195,11 @@ def serving_section(args: argparse.Namespace, layout: str, measured: list[list[R
                    created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
 
+def prefill_spec(config: ClusterConfig) -> WorkerSpec:
+    """The settings of the workers that prefill in ``config``."""
+    return config.colocated_spec if config.mode == "colocated" else config.prefill_spec
+
+
 def prefill_steps(costs: StepCosts, steps: list[dict[str, Any]], window: tuple[float, float]) -> list[float]:
     """Step 5's ratios: each traced step inside ``window`` that computes at least
     ``MIN_PREFILL_TOKENS`` prompt tokens, its forward pass over the curves' price."""
@@ -217,7 +223,7 @@ def prefill_load(section: Serving, config: ClusterConfig, profile: Profile, prob
     simulator with ``section``'s hop, step and token costs)."""
     if not ratios:
         raise RuntimeError("no traced prefill step in the prefill-under-load round (are the workers tracing steps?)")
-    spec = config.colocated_spec if config.mode == "colocated" else config.prefill_spec
+    spec = prefill_spec(config)
     chunk = spec.max_num_batched_tokens if spec.enable_chunked_prefill else 0
     costs = Profiles([profile.engine_only()]).costs_for(spec)
     sim = {r.request_id: r for r in simulated}
@@ -284,8 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     section = serving_section(args, layout, measured[:-1], simulated[:-1])
     probes = rounds[-1]
     with_stack = simulate(config, replace(profile, serving=section), [probes])[0]
-    costs = Profiles([profile.engine_only()]).costs_for(
-        config.colocated_spec if config.mode == "colocated" else config.prefill_spec)
+    costs = Profiles([profile.engine_only()]).costs_for(prefill_spec(config))
     steps = [json.loads(x) for f in sorted(logs.glob("steps-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
     ratios = prefill_steps(costs, steps, windows[-1])
     section = prefill_load(section, config, profile, probes, measured[-1], with_stack, ratios)
