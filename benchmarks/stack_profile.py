@@ -216,7 +216,7 @@ def prefill_steps(costs: StepCosts, steps: list[dict[str, Any]], window: tuple[f
     return out
 
 
-def prefill_load(section: Serving, config: ClusterConfig, profile: Profile, probes: list[BenchRequest],
+def prefill_load(section: Serving, config: ClusterConfig, costs: StepCosts, probes: list[BenchRequest],
                  measured: list[RequestResult], simulated: list[RequestResult], ratios: list[float]) -> Serving:
     """Step 5: ``section`` with ``prefill_factor`` (the median of ``ratios``, from
     ``prefill_steps``) and the probes' TTFTs (``simulated``: the probe round through the
@@ -225,7 +225,6 @@ def prefill_load(section: Serving, config: ClusterConfig, profile: Profile, prob
         raise RuntimeError("no traced prefill step in the prefill-under-load round (are the workers tracing steps?)")
     spec = prefill_spec(config)
     chunk = spec.max_num_batched_tokens if spec.enable_chunked_prefill else 0
-    costs = Profiles([profile.engine_only()]).costs_for(spec)
     sim = {r.request_id: r for r in simulated}
     streams = sum(1 for r in probes if r.tag == "stream")
     points = []
@@ -293,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     costs = Profiles([profile.engine_only()]).costs_for(prefill_spec(config))
     steps = [json.loads(x) for f in sorted(logs.glob("steps-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
     ratios = prefill_steps(costs, steps, windows[-1])
-    section = prefill_load(section, config, profile, probes, measured[-1], with_stack, ratios)
+    section = prefill_load(section, config, costs, probes, measured[-1], with_stack, ratios)
     profile = replace(profile, serving=section)
     save(profile, out)
     plot(profile, out.with_suffix(".png"))
