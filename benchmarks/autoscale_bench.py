@@ -13,15 +13,19 @@ where ``--prefill-share`` of the requests are huge prefills (``--prefill-prompt`
 (prefill-heavy), its arrivals shifted by the first half.
 
 The load and the objectives follow the machine (its speed here moves 2x with what else runs):
-the first configuration is probed unloaded (``--probes`` short and huge requests, one at a
-time; ``calibrate``): the decode-heavy rate holds ``--decode-load`` (1.6) x what one worker's
-KV cache (``--num-blocks``) holds at once, so one decode worker cannot keep up and two can;
-the prefill-heavy rate sends huge prefills at ``--prefill-load`` (0.8) x what one worker
-prefills a second; objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt
-length (the line through both probes) and TPOT ``--tpot-slo-mult`` (4) x the unloaded TPOT of a
-lone request (two workers decoding at once here step at 1.8-3.5x a lone one's time),
+the first configuration is warmed, then probed (``probe``): ``--probes`` short and huge
+requests one at a time (unloaded), then as many short requests at once as the budget's two KV
+caches hold (``--num-blocks`` each, at the longest short prompt), whose TPOT is the decode step
+with the caches full. From them (``calibrate``): the decode-heavy rate holds ``--decode-load``
+(1.2) x what one worker's cache holds at once, each request living its output at the full-cache
+TPOT plus its unloaded TTFT, so one decode worker cannot keep up and two can; the prefill-heavy
+rate sends huge prefills at ``--prefill-load`` (0.6) x what one worker prefills a second;
+objectives TTFT ``--ttft-slo-mult`` (5) x the unloaded TTFT at each prompt length (the line
+through both probes) and TPOT ``--tpot-slo-mult`` (3) x the unloaded TPOT of a lone request,
 the same for every configuration (``--decode-rate``, ``--prefill-rate``, ``--ttft-slo-ms``,
-``--ttft-slo-per-token-ms``, ``--tpot-slo-ms`` fix them instead).
+``--ttft-slo-per-token-ms``, ``--tpot-slo-ms`` fix them instead). The load used to come from
+the unloaded TPOT times a fixed 2 (what two workers decoding at once had measured); a run whose
+lone requests were slow (a cold worker, a slow moment) then set a load every layout met.
 
 Configurations (``CONFIGS``, the first one probed), each ``kvrouter up`` with two CPUs' worth
 of workers (one torch thread each, unpinned; ``colocated_1x2`` one worker of two threads) and
@@ -94,22 +98,37 @@ CONFIGS: dict[str, str] = {
 }
 STATIC = [n for n in CONFIGS if n != "autoscaled"]
 PHASES = ("decode_heavy", "prefill_heavy")
-LOADED_TPOT = 2.0   # measured here: two workers decoding at once step at 1.8-3.5x a lone one's time
 
 
 @dataclass(frozen=True)
 class Probe:
-    """Unloaded latencies on the first configuration, one request at a time (medians)."""
+    """The first configuration's latencies (medians): one request at a time, and with the KV
+    caches full."""
 
     ttft_short_s: float
     tpot_s: float
     ttft_long_s: float
+    tpot_full_s: float
+
+
+def slots(args: argparse.Namespace) -> int:
+    """Short requests one worker's KV cache holds at once, at the longest short prompt (the
+    workload's prompts reach 1.25x their mean)."""
+    return max(1, args.num_blocks // math.ceil((args.decode_prompt * 1.25 + args.decode_output) / 16))
+
+
+async def warm(url: str, model: str, short: tuple[int, ...], long: tuple[int, ...]) -> None:
+    """One short and one huge request, so no probe or measurement pays a cold worker's first steps."""
+    warmup = [BenchRequest("warm-short", short, 4), BenchRequest("warm-long", long, 2, after="warm-short")]
+    await run_workload(warmup, ClientConfig(url, model, progress=False, request_salt=f"warm-{uuid.uuid4().hex[:8]}-"))
 
 
 async def probe(url: str, model: str, args: argparse.Namespace, space: TokenSpace) -> Probe:
-    """``--probes`` short requests (``--decode-prompt`` tokens, 32 out), then as many huge
-    prefills (``--prefill-prompt`` tokens, 2 out), each alone."""
+    """``--probes`` short requests (``--decode-prompt`` tokens, 32 out) and as many huge
+    prefills (``--prefill-prompt`` tokens, 2 out), each alone; then ``2 x slots`` short
+    requests (``--decode-output`` out) at once, the budget's two KV caches full."""
     rng = np.random.default_rng([args.seed, 4])
+    await warm(url, model, space.random(rng, args.decode_prompt), space.random(rng, args.prefill_prompt))
     cfg = ClientConfig(url, model, progress=False, request_salt=f"probe-{uuid.uuid4().hex[:8]}-")
     got: dict[str, list[RequestResult]] = {"s": [], "l": []}
     async with aiohttp.ClientSession() as session:
@@ -121,25 +140,29 @@ async def probe(url: str, model: str, args: argparse.Namespace, space: TokenSpac
             if res.error or res.ttft_s is None:
                 raise RuntimeError(f"probe {req.request_id} failed: {res.error}")
             got[kind].append(res)
+    full = [BenchRequest(f"probe-full-{i}", space.random(rng, args.decode_prompt), args.decode_output)
+            for i in range(2 * slots(args))]
+    outcome = await run_workload(full, cfg)
+    tpots = [r.tpot_s for r in outcome.results if not r.error and r.tpot_s]
+    if len(tpots) < len(full):
+        raise RuntimeError(f"the full-cache probe failed: {len(tpots)} of {len(full)} requests completed")
     return Probe(statistics.median(r.ttft_s or 0.0 for r in got["s"]),
                  statistics.median(r.tpot_s or 0.0 for r in got["s"]),
-                 statistics.median(r.ttft_s or 0.0 for r in got["l"]))
+                 statistics.median(r.ttft_s or 0.0 for r in got["l"]),
+                 statistics.median(tpots))
 
 
 def calibrate(args: argparse.Namespace, p: Probe) -> tuple[float, float, Slo]:
     """(decode-heavy rate, prefill-heavy rate, objectives) from the probe, unless given.
 
-    Decode-heavy: ``--decode-load`` x what one worker's KV cache holds at once (``--num-blocks``
-    over a request's blocks at its longest prompt), over a request's life (its output at
-    ``LOADED_TPOT`` x the unloaded TPOT, plus its TTFT): one decode worker cannot hold that, two can. Prefill-heavy:
-    huge prefills at ``--prefill-load`` x what one worker prefills a second (1 / their unloaded
-    TTFT), ``--prefill-share`` of the requests. Objectives: TTFT ``--ttft-slo-mult`` x the
-    unloaded TTFT at each prompt length (the line through both probes), TPOT ``--tpot-slo-mult``
-    x the unloaded TPOT."""
-    blocks = math.ceil((args.decode_prompt * 1.25 + args.decode_output) / 16)
-    slots = max(1, args.num_blocks // blocks)
-    life = args.decode_output * p.tpot_s * LOADED_TPOT + p.ttft_short_s
-    decode_rate = args.decode_rate or args.decode_load * slots / life
+    Decode-heavy: ``--decode-load`` x what one worker's KV cache holds at once (``slots``), over
+    a request's life (its output at the full-cache TPOT, plus its unloaded TTFT): one decode
+    worker cannot hold that, two can. Prefill-heavy: huge prefills at ``--prefill-load`` x what
+    one worker prefills a second (1 / their unloaded TTFT), ``--prefill-share`` of the
+    requests. Objectives: TTFT ``--ttft-slo-mult`` x the unloaded TTFT at each prompt length
+    (the line through both probes), TPOT ``--tpot-slo-mult`` x the unloaded TPOT."""
+    life = args.decode_output * p.tpot_full_s + p.ttft_short_s
+    decode_rate = args.decode_rate or args.decode_load * slots(args) / life
     prefill_rate = args.prefill_rate or args.prefill_load / p.ttft_long_s / args.prefill_share
     ttft = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_slo_mult * p.ttft_short_s
     slope = (args.ttft_slo_per_token_ms / 1e3 if args.ttft_slo_per_token_ms is not None else
@@ -257,9 +280,7 @@ def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpac
         workload, slo = plan.workload, plan.slo
         assert slo is not None
         longest = max(workload.requests, key=lambda r: len(r.prompt))
-        warm = [BenchRequest("warm-short", workload.requests[0].prompt, 4),
-                BenchRequest("warm-long", longest.prompt, 2, after="warm-short")]
-        asyncio.run(run_workload(warm, ClientConfig(url, model, progress=False, request_salt="warm-")))
+        asyncio.run(warm(url, model, workload.requests[0].prompt, longest.prompt))
         total = 2 * args.phase_seconds
         cfg = ClientConfig(url, model, max_duration_s=total, grace_s=args.grace_seconds, progress=False,
                            request_timeout_s=total + args.grace_seconds,
@@ -357,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-load", type=float, default=0.6,
                    help="prefill-heavy half: huge prefills a second over what one worker prefills "
                         "a second (default %(default)s)")
-    p.add_argument("--probes", type=int, default=2, help="unloaded probes of each shape (default %(default)s)")
+    p.add_argument("--probes", type=int, default=3, help="unloaded probes of each shape (default %(default)s)")
     p.add_argument("--ttft-slo-mult", type=float, default=5.0,
                    help="TTFT objective: this x the unloaded TTFT at each prompt length (default %(default)s)")
     p.add_argument("--tpot-slo-mult", type=float, default=3.0,
@@ -405,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     space = TokenSpace(vocab_size=args.vocab_size)
     plan = Plan()
     if given(args):   # a repeat: the same workload and objectives, whatever runs first
-        plan.slo = calibrate(args, Probe(0.0, 0.0, 0.0))[2]
+        plan.slo = calibrate(args, Probe(0.0, 0.0, 0.0, 0.0))[2]
         plan.workload = shifting_workload(args, space)
     t_start = time.time()
     configs: dict[str, dict[str, Any]] = {}

@@ -6,14 +6,16 @@ timeline is read relative to the workload's start; the plot is drawn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks.autoscale_bench import (LOADED_TPOT, PHASES, Probe, build_parser, calibrate, given, plot, read_timeline,
-                                        shifting_workload, up_flags, verdict)
+from benchmarks.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe, read_timeline,
+                                        shifting_workload, slots, up_flags, verdict)
 from planner.workloads import TokenSpace
+from tests.benchmarks.fake_openai import FakeOpenAI
 
 
 def _args(*extra: str):
@@ -43,10 +45,12 @@ def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() 
     args = _args("--num-blocks", "96", "--decode-prompt", "96", "--decode-output", "192",
                  "--prefill-prompt", "640", "--prefill-share", "0.6", "--prefill-load", "0.7",
                  "--tpot-slo-mult", "2", "--decode-load", "1.3", "--itl-target-share", "0.8")
-    decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0))
+    decode_rate, prefill_rate, slo = calibrate(args, Probe(ttft_short_s=0.8, tpot_s=0.15, ttft_long_s=4.0,
+                                                           tpot_full_s=0.25))
     # One worker's cache holds 96 // ceil((96 x 1.25 + 192) / 16) = 4 requests; each lives
-    # 192 x 0.15 x LOADED_TPOT + 0.8 s; 1.3x that: one decode worker cannot keep up, two can.
-    assert decode_rate == pytest.approx(1.3 * 4 / (192 * 0.15 * LOADED_TPOT + 0.8))
+    # 192 x 0.25 (the full-cache TPOT) + 0.8 s; 1.3x that: one decode worker cannot keep up, two can.
+    assert slots(args) == 4
+    assert decode_rate == pytest.approx(1.3 * 4 / (192 * 0.25 + 0.8))
     assert prefill_rate == pytest.approx(0.7 / 4.0 / 0.6)
     assert (slo.ttft_s, slo.tpot_s) == (pytest.approx(4.0), pytest.approx(0.3))
     assert slo.ttft_objective(640) == pytest.approx(20.0)
@@ -56,13 +60,29 @@ def test_the_load_and_objectives_follow_the_probe_and_the_router_aims_at_them() 
     assert "--autoscale" in flags and "--max-workers" in flags
     assert f"--worker-arg=--num-blocks={2 * args.num_blocks}" in up_flags("colocated_1x2", args, slo).split()
     assert "--threads-per-worker" not in up_flags("colocated_1x2", args, slo).split()[3:]
-    fixed = calibrate(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"), Probe(0.8, 0.15, 4.0))
+    fixed = calibrate(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"), Probe(0.8, 0.15, 4.0, 0.25))
     assert fixed[0] == 0.5 and fixed[2].tpot_s == 0.25
     assert not given(_args("--tpot-slo-ms", "250", "--decode-rate", "0.5"))
     repeat = _args("--decode-rate", "0.6", "--prefill-rate", "0.7", "--ttft-slo-ms", "1900",
                    "--ttft-slo-per-token-ms", "16", "--tpot-slo-ms", "180")
     assert given(repeat)   # a repeat needs no probe: nothing of the probe reaches the plan
-    assert calibrate(repeat, Probe(0.0, 0.0, 0.0)) == calibrate(repeat, Probe(0.8, 0.15, 4.0))
+    assert calibrate(repeat, Probe(0.0, 0.0, 0.0, 0.0)) == calibrate(repeat, Probe(0.8, 0.15, 4.0, 0.25))
+
+
+def test_the_probe_warms_then_measures_alone_then_with_both_caches_full() -> None:
+    args = _args("--num-blocks", "32", "--decode-prompt", "16", "--decode-output", "12", "--prefill-prompt", "64",
+                 "--probes", "2")
+    assert slots(args) == 32 // 2   # 16 x 1.25 + 12 = 32 tokens: 2 blocks a request
+    with FakeOpenAI(ttft_s=0.05, tpot_s=0.01) as server:
+        got = asyncio.run(probe(server.url, server.model, args, TokenSpace()))
+        sent = [(t, len(b["prompt"]), b["max_tokens"]) for t, b in server.received]
+    assert [(n, out) for _, n, out in sent[:6]] == [(16, 4), (64, 2), (16, 32), (16, 32), (64, 2), (64, 2)]
+    assert all(b[0] >= a[0] + 0.05 for a, b in zip(sent[:6], sent[1:6]))   # warm and lone probes: one at a time
+    full = sent[6:]
+    assert len(full) == 2 * slots(args) and all((n, out) == (16, 12) for _, n, out in full)
+    assert max(t for t, _, _ in full) - min(t for t, _, _ in full) < 0.05   # all at once
+    assert got.ttft_short_s == pytest.approx(0.05, abs=0.03) and got.ttft_long_s == pytest.approx(0.05, abs=0.03)
+    assert got.tpot_s == pytest.approx(0.01, abs=0.005) and got.tpot_full_s == pytest.approx(0.01, abs=0.005)
 
 
 def test_verdict_is_against_the_best_static() -> None:
