@@ -58,8 +58,8 @@ Writes ``OUT/autoscale.json`` (also printed as one JSON line), ``OUT/autoscale.p
 autoscaled cluster's layout, pressures and role changes over time; attainment over time
 against the best static configuration; goodput per configuration and half) and, per
 configuration, ``OUT/NAME/``: ``up.log``, the cluster's logs (``autoscale.jsonl``: the
-autoscaler's timeline), ``requests.jsonl``. A configuration that does not start is an
-``error`` (exit status 1). SIGTERM/SIGINT stop what runs (``benchmarks.lifecycle``).
+autoscaler's timeline), ``requests.jsonl``, and with ``--step-trace`` each worker's steps. A
+configuration that does not start is an ``error`` (exit status 1). SIGTERM/SIGINT stop what runs (``benchmarks.lifecycle``).
 """
 
 from __future__ import annotations
@@ -265,6 +265,10 @@ def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpac
                                "--ttft-slo-per-token-ms, --tpot-slo-ms)")
         command = (f"{PY} -m router.cli up --model {args.model} --port {args.port} --log-dir {cdir / 'logs'} "
                    f"--store-memory {args.store_memory} {up_flags(name, args, plan.slo)}")
+        if args.step_trace:   # each worker's steps: OUT/NAME/steps-ROLE-PID.jsonl
+            for old in cdir.glob("steps-*.jsonl"):
+                old.unlink()
+            command += f" --worker-arg=--step-trace={cdir.resolve()}/steps-{{role}}-{{pid}}.jsonl"
         res["command"] = command.replace(PY, "python")
         launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
         launched.wait_ready(args.ready_timeout)
@@ -407,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt ids stay below this: the model's vocabulary (default %(default)s, SmolLM2's)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a cluster has to come up (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUT/autoscale.png")
+    p.add_argument("--step-trace", action="store_true",
+                   help="workers write every engine step to OUT/NAME/steps-ROLE-PID.jsonl (kvengine serve --step-trace)")
     p.add_argument("--profile", action="append", default=[], metavar="PATH",
                    help="a `kvengine profile` (repeat per thread count): also simulate every configuration "
                         "(kvplan) on the same workload and objectives, beside the measurement")

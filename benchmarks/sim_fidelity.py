@@ -8,6 +8,10 @@ Each run is a ``benchmarks.compare`` output directory (the same parts, configura
 rates in every run). The simulator is calibrated from the profiles alone (``kvengine
 profile``, with the serving section ``benchmarks.stack_profile`` adds from requests of its
 own, measured before the runs, never fitted to them; ``--engine-only`` drops that section).
+With ``--profiles-in-runs``, each run
+is simulated with the profiles taken just before it (files in its own directory), and a point's
+prediction is the median of the runs' simulations: the machine's speed drifts by more than the
+tolerance within an hour here, so one profile for an hour of runs is stale by the last.
 For every configuration and part
 it simulates the very sweep compare ran (the sweep's own flags, read back from each part's
 ``argv``: workload, rates, point length, salts, pre-warm), with objectives set as compare sets
@@ -105,12 +109,38 @@ def _rate_step(rates: list[float]) -> float:
     return min(steps) if steps else 0.0
 
 
-def fidelity(runs: list[Path], profiles: Profiles, labels: list[str]) -> dict[str, Any]:
+def combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One simulated sweep from several (one per run's own profiles): per point, each latency
+    percentile the median of theirs; the 90% rates the median of theirs (the lower middle one
+    when even, so a rate stays a tested rate); the objectives and unloaded latency the first's."""
+    if len(recs) == 1:
+        return recs[0]
+
+    def middle(xs: list[float | None]) -> float | None:
+        known = sorted(x if x is not None else 0.0 for x in xs)
+        value = known[(len(known) - 1) // 2]
+        return None if value == 0.0 and any(x is None for x in xs) else value
+
+    points = []
+    for i, p in enumerate(recs[0]["points"]):
+        summary: dict[str, Any] = {}
+        for metric in {m for m, _ in METRICS}:
+            quants = [r["points"][i]["summary"].get(metric) for r in recs]
+            summary[metric] = (None if any(q is None for q in quants) else
+                               {q: statistics.median(d[q] for d in quants) for q in quants[0]})
+        summary["attainment"] = statistics.median(r["points"][i]["summary"]["attainment"] for r in recs)
+        points.append({"rate": p["rate"], "summary": summary})
+    rates = {k: middle([r["max_rate_90"][k] for r in recs]) for k in ("tested", "interpolated")}
+    return {**recs[0], "points": points, "max_rate_90": rates, "each": [r["max_rate_90"] for r in recs]}
+
+
+def fidelity(runs: list[Path], profiles: list[Profiles], labels: list[str]) -> dict[str, Any]:
+    """``profiles``: one set for every run, or one per run (in ``runs``' order)."""
     parts = {label: part for part, label, _ in compare.parts(False)}
     rows: list[dict[str, Any]] = []
     rates_rows: list[dict[str, Any]] = []
     for label in labels:
-        sim_slo: Slo | None = None
+        sim_slos: list[Slo | None] = [None] * len(profiles)
         for name, spec in compare.CONFIGS.items():
             suffixes = [""] + (["_salted"] if label == "trace" and name == "colo_chunk" else [])
             for suffix in suffixes:
@@ -124,14 +154,16 @@ def fidelity(runs: list[Path], profiles: Profiles, labels: list[str]) -> dict[st
                 cfg = from_up_flags(name, f"{spec['up']} --store-memory 2G", salt_per_request=salt,
                                     max_model_len=args.max_context)
                 rates = sorted(float(r) for r in args.rates.split(","))
-                s = SweepSettings(tuple(rates), args.point_seconds, args.unloaded_samples,
-                                  args.ttft_slo_mult, args.tpot_slo_mult, args.ttft_slo_per_length,
-                                  "own", sim_slo,
-                                  args.prewarm_concurrency)
                 t0 = time.perf_counter()
-                rec = simulate_config(cfg, profiles, args, s)
-                if sim_slo is None:
-                    sim_slo = Slo(**rec["slo"])
+                recs = []
+                for i, prof in enumerate(profiles):
+                    s = SweepSettings(tuple(rates), args.point_seconds, args.unloaded_samples,
+                                      args.ttft_slo_mult, args.tpot_slo_mult, args.ttft_slo_per_length,
+                                      "own", sim_slos[i], args.prewarm_concurrency)
+                    recs.append(simulate_config(cfg, prof, args, s))
+                    if sim_slos[i] is None:
+                        sim_slos[i] = Slo(**recs[-1]["slo"])
+                rec = combine(recs)
                 for p_sim in rec["points"]:
                     rate = p_sim["rate"]
                     reps = [next((p for p in pts if p["rate"] == rate), None) for pts in measured]
@@ -157,7 +189,7 @@ def fidelity(runs: list[Path], profiles: Profiles, labels: list[str]) -> dict[st
     choices = _choices(rates_rows)
     ok = [r for r in rows if r["verdict"] == "ok"]
     judged = [r for r in rows if r["verdict"] != "n/a"]
-    return {"bench": "sim_fidelity", "runs": [str(r) for r in runs], "profiles": profiles.describe(),
+    return {"bench": "sim_fidelity", "runs": [str(r) for r in runs], "profiles": [p.describe() for p in profiles],
             "tolerance": TOLERANCE, "points": rows, "max_rate_90": rates_rows,
             "points_ok": f"{len(ok)}/{len(judged)}",
             "rates_ok": f"{sum(r['verdict'] == 'ok' for r in rates_rows)}/{len(rates_rows)}",
@@ -256,7 +288,10 @@ def plot(rec: dict[str, Any], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sim_fidelity", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--runs", nargs="+", required=True, help="benchmarks.compare output directories (>= 3)")
-    p.add_argument("--profile", action="append", required=True, help="kvengine profile files (per thread count)")
+    p.add_argument("--profile", action="append", default=[], help="kvengine profile files (per thread count)")
+    p.add_argument("--profiles-in-runs", nargs="+", default=None, metavar="NAME",
+                   help="instead of --profile: each run's own profiles, these file names in its directory "
+                        "(taken just before it); a point's prediction is the median of the runs' simulations")
     p.add_argument("--parts", default="mixed,mixed_quiet,trace,multi_turn", help="part labels (default %(default)s)")
     p.add_argument("--out", default="results/fidelity/report", help="directory for the report (default %(default)s)")
     p.add_argument("--engine-only", action="store_true",
@@ -265,11 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    profiles = [load(path) for path in args.profile]
-    if args.engine_only:
-        profiles = [p.engine_only() for p in profiles]
-    rec = fidelity([Path(r) for r in args.runs], Profiles(profiles), args.parts.split(","))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    runs = [Path(r) for r in args.runs]
+    if bool(args.profile) == bool(args.profiles_in_runs):
+        parser.error("give --profile (one set for every run) or --profiles-in-runs (each run's own), not both")
+    sets = [[run / name for name in args.profiles_in_runs] for run in runs] if args.profiles_in_runs else [args.profile]
+    profiles = [Profiles([(load(path).engine_only() if args.engine_only else load(path)) for path in paths])
+                for paths in sets]
+    rec = fidelity(runs, profiles, args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(rec, indent=1))

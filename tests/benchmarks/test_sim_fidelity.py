@@ -23,6 +23,24 @@ def test_the_objectives_compare_fixed_are_stripped_from_the_sweep_flags() -> Non
     assert fid._rate_step([0.1, 0.3, 0.5]) == pytest.approx(0.2) and fid._rate_step([0.4]) == 0.0
 
 
+def test_each_runs_own_simulation_combines_into_the_median_prediction() -> None:
+    def rec(ttft: float, tpot: float | None, att: float, tested: float | None) -> dict:
+        summary = {"ttft_s": {"p50": ttft, "p90": 2 * ttft}, "tpot_s": None if tpot is None else {"p50": tpot, "p90": tpot},
+                   "attainment": att}
+        return {"slo": {"first": ttft}, "points": [{"rate": 0.2, "summary": summary}],
+                "max_rate_90": {"tested": tested, "interpolated": tested}}
+
+    one = rec(1.0, 0.1, 1.0, 0.2)
+    assert fid.combine([one]) is one
+    got = fid.combine([rec(1.0, 0.1, 1.0, 0.2), rec(3.0, 0.3, 0.5, None), rec(2.0, 0.2, 0.9, 0.4)])
+    point = got["points"][0]
+    assert point["rate"] == 0.2 and point["summary"]["ttft_s"] == {"p50": 2.0, "p90": 4.0}
+    assert point["summary"]["tpot_s"]["p90"] == pytest.approx(0.2) and point["summary"]["attainment"] == 0.9
+    assert got["max_rate_90"] == {"tested": 0.2, "interpolated": 0.2} and got["slo"] == {"first": 1.0}
+    assert fid.combine([rec(1.0, 0.1, 1.0, None), rec(1.0, None, 0.5, None)])["max_rate_90"]["tested"] is None
+    assert fid.combine([rec(1.0, 0.1, 1.0, None), rec(1.0, None, 0.5, None)])["points"][0]["summary"]["tpot_s"] is None
+
+
 def test_the_table_lists_judged_points_and_rates() -> None:
     rec = {"points": [{"config": "c", "part": "trace", "rate": 0.1, "metric": "ttft_p50", "repeats": 3,
                        **fid.judge(1.1, [1.0, 1.0, 1.2])},
