@@ -216,6 +216,10 @@ def test_autoscaler_acts_within_its_budget(cluster: LocalCluster) -> None:
     results: list[dict] = []
     try:
         load.start()
+        # The scaler reads the router only once every client has had a request served: before
+        # that (seconds on a slow machine) the decode pool shows no ITL, both pools idle, and
+        # the idle prefill worker is stopped instead of changing role (then a start follows).
+        wait_until(lambda: len(load.results) >= load.clients, 60, "the load's first requests")
         role = run_until("role", 40)
         assert (role["from"], role["to"]) == ("prefill", "decode")
         results += load.stop()
