@@ -10,8 +10,8 @@ profile``, with the serving section ``benchmarks.stack_profile`` adds from reque
 own, measured before the runs, never fitted to them; ``--engine-only`` drops that section).
 With ``--profiles-in-runs``, each run
 is simulated with the profiles taken just before it (files in its own directory), and a point's
-prediction is the median of the runs' simulations: the machine's speed drifts by more than the
-tolerance within an hour here, so one profile for an hour of runs is stale by the last.
+prediction is the median of the runs' simulations: the test of whether drift between one
+profile and an hour of runs is what limits the simulator (here it did worse: docs/benchmarks.md).
 For every configuration and part
 it simulates the very sweep compare ran (the sweep's own flags, read back from each part's
 ``argv``: workload, rates, point length, salts, pre-warm), with objectives set as compare sets
@@ -117,9 +117,8 @@ def combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
         return recs[0]
 
     def middle(xs: list[float | None]) -> float | None:
-        known = sorted(x if x is not None else 0.0 for x in xs)
-        value = known[(len(known) - 1) // 2]
-        return None if value == 0.0 and any(x is None for x in xs) else value
+        ranked = sorted(xs, key=lambda x: -1.0 if x is None else x)   # none (not even the lowest) first
+        return ranked[(len(ranked) - 1) // 2]
 
     points = []
     for i, p in enumerate(recs[0]["points"]):
@@ -131,7 +130,7 @@ def combine(recs: list[dict[str, Any]]) -> dict[str, Any]:
         summary["attainment"] = statistics.median(r["points"][i]["summary"]["attainment"] for r in recs)
         points.append({"rate": p["rate"], "summary": summary})
     rates = {k: middle([r["max_rate_90"][k] for r in recs]) for k in ("tested", "interpolated")}
-    return {**recs[0], "points": points, "max_rate_90": rates, "each": [r["max_rate_90"] for r in recs]}
+    return {**recs[0], "points": points, "max_rate_90": rates}
 
 
 def fidelity(runs: list[Path], profiles: list[Profiles], labels: list[str]) -> dict[str, Any]:
