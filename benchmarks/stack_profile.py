@@ -15,25 +15,19 @@ requests of its own (never the runs a simulation is later checked against):
    ``hops`` unloaded requests one after another (a ``hop_prompt``-token prompt, 2 tokens
    out), then, per batch size ``b`` in ``batches``, ``rounds`` rounds of ``b`` requests at
    once (``prompt`` tokens in, ``output`` out, distinct prompts: no prefix reuse);
-3. the workers log their steps (``kvengine serve --step-trace``); ``decode_factor`` is the
-   median, over every traced step that only decodes, of the worker's own forward-pass time
-   over the engine curves' price for the same items: how much the stack's CPU (the router,
-   the client, the store, etcd, the other worker) slows the forward pass. It is a median over
-   about a thousand steps, where the gaps of step 4 are a handful of medians;
-4. it sends the same requests, the same way, through the simulator (``planner.sim``) with the
-   profile's engine curves, decode steps priced times ``decode_factor`` and no other serving
-   cost; the difference is the rest of the serving cost: ``hop_s`` is a third of the median
-   TTFT difference of the unloaded requests (a first token is three messages: client ->
-   router -> worker -> router -> client, counted as three hops), and ``step_s + token_s * b``
-   the non-negative line through the differences of the steady inter-token gaps (each round's
-   median gap while all ``b`` requests decode, measured against simulated): the work around
-   the forward pass;
+3. it sends the same requests, the same way, through the simulator (``planner.sim``) with the
+   profile's engine curves and no serving cost;
+4. the difference is the serving cost: ``hop_s`` is a third of the median TTFT difference of
+   the unloaded requests (a first token is three messages: client -> router -> worker ->
+   router -> client, counted as three hops), and ``step_s + token_s * b`` the non-negative line
+   through the differences of the steady inter-token gaps (each round's median gap while all
+   ``b`` requests decode, measured against simulated);
 5. prefill under load: ``probe_decoding`` requests stream ``probe_output`` tokens while
    ``probes`` prompts of ``probe_prompt`` tokens arrive ``probe_gap_s`` apart (2 tokens out
    each). The workers log their steps (``kvengine serve --step-trace``); ``prefill_factor``
    is the median, over the steps of that round that compute at least ``MIN_PREFILL_TOKENS``
    prompt tokens, of the worker's own forward-pass time over the engine curves' price for the
-   same items: how much the stack's CPU slows prefill work, which 3. (decode steps) does not
+   same items: how much the stack's CPU slows prefill work, which 4. (decode steps) does not
    see. The probes' TTFTs against the simulator with the hop, step and token costs are kept
    beside it (``prefill_points``): what the split's path (the handoff, the second worker's
    first step) adds shows there, and is not a prefill slowdown.
@@ -41,8 +35,7 @@ requests of its own (never the runs a simulation is later checked against):
 It writes the profile back (``--out``; default in place) with the section
 (``engine.profile.format.Serving``), plots measured, engine-only and engine + stack gaps
 against the batch (``OUT.png``), and prints one JSON line. About two minutes on 2 CPUs for the
-default model. ``--rederive`` measures nothing: it redoes steps 3 and 4 from the step traces
-and gaps an earlier run left (for profiles measured before the decode factor existed).
+default model.
 """
 
 from __future__ import annotations
@@ -141,8 +134,8 @@ def fit_line(batches: list[int], extra: list[float]) -> tuple[float, float]:
 
 
 def simulate(config: ClusterConfig, profile: Profile, rounds: list[list[BenchRequest]]) -> list[list[RequestResult]]:
-    """The rounds through the simulator with the profile as given (``factor_only``: the
-    engine's curves, decode steps times the decode factor, no other serving cost)."""
+    """The rounds through the simulator with the profile as given (``engine_only()``: the
+    engine's curves and no serving cost)."""
     profiles = Profiles([profile])
     cluster = SimCluster(replace(config, hop_s=None), profiles.costs_for)
     out = []
@@ -171,10 +164,7 @@ async def _measure(url: str, rounds: list[list[BenchRequest]], progress: bool,
 
 
 def serving_section(args: argparse.Namespace, layout: str, measured: list[list[RequestResult]],
-                    simulated: list[list[RequestResult]], decode_factor: float = 1.0,
-                    decode_n: int = 0) -> Serving:
-    """Step 4 (``simulated``: the rounds through ``factor_only``'s profile, whose decode factor
-    and traced-step count are ``decode_factor`` and ``decode_n``)."""
+                    simulated: list[list[RequestResult]]) -> Serving:
     chain_m, chain_s = measured[0][1:], simulated[0][1:]   # the first of the chain warms up
     by_id = {r.request_id: r for r in chain_s}
     diffs = [m.ttft_s - by_id[m.request_id].ttft_s for m in chain_m  # type: ignore[operator]
@@ -202,42 +192,12 @@ def serving_section(args: argparse.Namespace, layout: str, measured: list[list[R
             f"while {args.probe_decoding} requests stream {args.probe_output} tokens")
     return Serving(how=how, prompt_tokens=args.hop_prompt, hop_s=hop, step_s=step_s, token_s=token_s,
                    ttft_measured_s=ttft_m, ttft_simulated_s=ttft_s, points=tuple(points),
-                   created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                   decode_factor=decode_factor, decode_steps=decode_n)
+                   created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
 
 def prefill_spec(config: ClusterConfig) -> WorkerSpec:
     """The settings of the workers that prefill in ``config``."""
     return config.colocated_spec if config.mode == "colocated" else config.prefill_spec
-
-
-def decode_spec(config: ClusterConfig) -> WorkerSpec:
-    """The settings of the workers that decode in ``config``."""
-    return config.colocated_spec if config.mode == "colocated" else config.decode_spec
-
-
-def decode_steps(costs: StepCosts, steps: list[dict[str, Any]]) -> list[float]:
-    """Step 3's ratios: each traced step that only decodes, its forward pass over the curves'
-    price."""
-    out = []
-    for x in steps:
-        _, decodes, chunks = classify(x["items"])
-        if chunks or not decodes:
-            continue
-        price = costs.step_s(decodes, chunks)
-        if price > 0:
-            out.append(x["execute_s"] / price)
-    return out
-
-
-def factor_only(profile: Profile, ratios: list[float]) -> Profile:
-    """``profile``'s engine curves with a serving section that holds only the decode factor
-    (the median of ``ratios``, from ``decode_steps``)."""
-    if not ratios:
-        raise RuntimeError("no traced decode step (are the workers tracing steps?)")
-    return replace(profile, serving=Serving(how="", prompt_tokens=0, hop_s=0.0, step_s=0.0, token_s=0.0,
-                                            ttft_measured_s=0.0, ttft_simulated_s=0.0,
-                                            decode_factor=statistics.median(ratios), decode_steps=len(ratios)))
 
 
 def prefill_steps(costs: StepCosts, steps: list[dict[str, Any]], window: tuple[float, float]) -> list[float]:
@@ -288,8 +248,7 @@ def plot(profile: Profile, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bs = [p.batch for p in sv.points]
     ax.plot(bs, [p.measured_gap_s * 1e3 for p in sv.points], "o", label="through the stack (measured)")
-    ax.plot(bs, [p.simulated_gap_s * 1e3 for p in sv.points], "x",
-            label=f"engine curves x decode factor {sv.decode_factor:.2f} (simulated)")
+    ax.plot(bs, [p.simulated_gap_s * 1e3 for p in sv.points], "x", label="engine curves alone (simulated)")
     grid = sorted(set(bs))
     base = {b: statistics.median(p.simulated_gap_s for p in sv.points if p.batch == b) for b in grid}
     ax.plot(grid, [(base[b] + sv.step_s + sv.token_s * b) * 1e3 for b in grid], "-",
@@ -326,16 +285,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = asyncio.run(_measure(f"http://127.0.0.1:{port}", rounds, not args.no_progress, windows))
     finally:
         launched.stop()
-    steps = [json.loads(x) for f in sorted(logs.glob("steps-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
-    engine = Profiles([profile.engine_only()])
-    base = factor_only(profile.engine_only(), decode_steps(engine.costs_for(decode_spec(config)), steps))
-    assert base.serving is not None
-    simulated = simulate(config, base, rounds)
-    section = serving_section(args, layout, measured[:-1], simulated[:-1],
-                              base.serving.decode_factor, base.serving.decode_steps)
+    simulated = simulate(config, profile.engine_only(), rounds)
+    section = serving_section(args, layout, measured[:-1], simulated[:-1])
     probes = rounds[-1]
     with_stack = simulate(config, replace(profile, serving=section), [probes])[0]
-    costs = engine.costs_for(prefill_spec(config))
+    costs = Profiles([profile.engine_only()]).costs_for(prefill_spec(config))
+    steps = [json.loads(x) for f in sorted(logs.glob("steps-*.jsonl")) for x in f.read_text().splitlines() if x.strip()]
     ratios = prefill_steps(costs, steps, windows[-1])
     section = prefill_load(section, config, costs, probes, measured[-1], with_stack, ratios)
     profile = replace(profile, serving=section)
@@ -347,50 +302,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gaps_ms": [[p.batch, round(p.measured_gap_s * 1e3, 1), round(p.simulated_gap_s * 1e3, 1)]
                         for p in section.points],
             "ttft_ms": [round(section.ttft_measured_s * 1e3, 1), round(section.ttft_simulated_s * 1e3, 1)],
-            "decode_factor": round(section.decode_factor, 3), "decode_steps": section.decode_steps,
             "prefill_factor": round(section.prefill_factor, 3), "prefill_steps": section.prefill_steps,
             "probe_ttft_ms": [[round(p.measured_ttft_s * 1e3, 1), round(p.simulated_ttft_s * 1e3, 1),
                                round(p.engine_prefill_s * 1e3, 1)] for p in section.prefill_points],
             "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def rederive(args: argparse.Namespace) -> dict[str, Any]:
-    """``--rederive``: steps 3 and 4 again, from an earlier measurement's step traces (beside
-    the profile, in ``OUT_stack_logs``) and its section's measured gaps, with the same
-    request flags; the hop and the prefill factor stay as measured. For a profile measured
-    before the decode factor existed."""
-    profile = load(args.profile)
-    old = profile.serving
-    logs = Path(args.profile).parent / (Path(args.profile).stem + "_stack_logs")
-    files = sorted(logs.glob("steps-*.jsonl"))
-    if old is None or not files:
-        raise SystemExit(f"--rederive needs a serving section and its step traces in {logs}")
-    config = from_up_flags("stack", f"{args.up or default_layout(profile)} --store-memory 2G")
-    steps = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
-    engine = Profiles([profile.engine_only()])
-    base = factor_only(profile.engine_only(), decode_steps(engine.costs_for(decode_spec(config)), steps))
-    assert base.serving is not None
-    rounds = requests(args, profile.model.vocab_size)[1:-1]
-    gaps: dict[int, list[float]] = {}
-    for reqs, res in zip(rounds, simulate(config, base, rounds)):
-        g = steady_gap(res)
-        if g is not None:
-            gaps.setdefault(len(reqs), []).append(g)
-    points = []
-    for p in old.points:
-        if p.prompt_tokens != args.prompt or p.output_tokens != args.output or not gaps.get(p.batch):
-            raise SystemExit(f"the section's rounds ({p.prompt_tokens}+{p.output_tokens} tokens, batch "
-                             f"{p.batch}) are not this command's: give the flags it was measured with")
-        points.append(replace(p, simulated_gap_s=statistics.median(gaps[p.batch])))  # same shapes: same gaps
-    step_s, token_s = fit_line([p.batch for p in points], [p.measured_gap_s - p.simulated_gap_s for p in points])
-    section = replace(old, step_s=step_s, token_s=token_s, points=tuple(points),
-                      decode_factor=base.serving.decode_factor, decode_steps=base.serving.decode_steps,
-                      how=old.how + "; decode factor and step line re-derived from its logs")
-    out = Path(args.out or args.profile)
-    save(replace(profile, serving=section), out)
-    return {"bench": "stack_profile", "rederived": str(out), "decode_factor": round(section.decode_factor, 3),
-            "decode_steps": section.decode_steps, "step_ms": round(step_s * 1e3, 3), "token_ms": round(token_s * 1e3, 3),
-            "was": {"step_ms": round(old.step_s * 1e3, 3), "token_ms": round(old.token_s * 1e3, 3)}}
 
 
 def _batches(text: str) -> list[int]:
@@ -422,9 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="those requests' output tokens (enough to outlast the probes)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rederive", action="store_true",
-                   help="measure nothing: re-derive the decode factor and the step line from the step traces "
-                        "and gaps of the measurement already in --profile (its OUT_stack_logs directory)")
     return p
 
 
@@ -434,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--hops and --rounds are at least 1, --output at least 3")
     if args.probes < 1 or args.probe_prompt < 1 or args.probe_decoding < 1 or args.probe_gap_s <= 0:
         raise SystemExit("--probes, --probe-prompt and --probe-decoding are at least 1, --probe-gap-s positive")
-    print(json.dumps(rederive(args) if args.rederive else run(args)), flush=True)
+    print(json.dumps(run(args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
       },
       "serving": optional, absent until ``python -m benchmarks.stack_profile`` adds it:
                  {created, how (the stack measured, in words), prompt_tokens, hop_s, step_s,
-                  token_s, ttft_measured_s, ttft_simulated_s, decode_factor, decode_steps,
-                  prefill_factor, prefill_steps,
+                  token_s, ttft_measured_s, ttft_simulated_s, prefill_factor, prefill_steps,
                   points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}],
                   prefill_points: [{prompt_tokens, decoding, measured_ttft_s, simulated_ttft_s,
                                     engine_prefill_s}]}
@@ -53,16 +52,11 @@ Features (``evaluate`` below computes them; a simulator may too):
 ``serving`` is what the serving stack (router, HTTP, streaming client, store and etcd, on the
 same machine) adds to the engine's own times, as a simulator of the engine alone would miss
 it: ``hop_s`` per message (client -> router, router -> worker, worker -> router -> client;
-a colocated request's first token is three of them); ``decode_factor``, how much slower the
-worker's own forward passes of decode steps run beside the stack than profiled alone (the
-median, over ``decode_steps`` traced decode-only steps of the measurement, of the forward
-pass over the curves' price; 1.0 when absent); and per decode step ``step_s + token_s *
-batch`` on top (the per-step work outside the forward pass: scheduling, sampling, streaming
-each token). Measured by sending the same requests to the real stack and to the simulator:
-``hop_s`` is a third of the median unloaded TTFT difference (the simulator with none of the
-stack), and ``step_s``, ``token_s`` the non-negative line through the difference of the steady
-inter-token gaps at each batch (``points``; the simulator with the decode factor, so the line
-holds only what the factor does not). ``prefill_factor``
+a colocated request's first token is three of them), and per decode step ``step_s +
+token_s * batch`` (the stack's CPU for each streamed token). Measured by sending the same
+requests to the real stack and to the simulator with none of it: ``hop_s`` is a third of the
+median unloaded TTFT difference, and ``step_s``, ``token_s`` the non-negative line through the
+difference of the steady inter-token gaps at each batch (``points``). ``prefill_factor``
 multiplies the engine's prefill work (each chunk's time, and a prefill-only step's overhead)
 while other requests stream: the stack's CPU slows a prefill down too, not only the decode
 steps. It is the median, over ``prefill_steps`` traced steps that computed prompt tokens while
@@ -174,7 +168,7 @@ class ServingPoint:
     prompt_tokens: int
     output_tokens: int
     measured_gap_s: float  # the steady inter-token gap through the stack (median)
-    simulated_gap_s: float  # the same requests' gap from the engine's curves x the decode factor
+    simulated_gap_s: float  # the same requests' gap from the engine's curves alone
 
 
 @dataclass(frozen=True)
@@ -200,8 +194,6 @@ class Serving:
     points: tuple[ServingPoint, ...] = ()
     created: str = ""
     prefill_factor: float = 1.0  # prefill work under streaming load / the engine's curves
-    decode_factor: float = 1.0  # a decode step's forward pass beside the stack / the curves
-    decode_steps: int = 0  # traced steps decode_factor is the median of
     prefill_steps: int = 0  # traced steps prefill_factor is the median of
     prefill_points: tuple[ServingPrefillPoint, ...] = ()
 

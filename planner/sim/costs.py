@@ -14,10 +14,8 @@ context) and prefill chunks (``k`` tokens from position ``p``). Its time, from o
   ``b*k + c*pairs`` (the decodes ride in the pass the prefill pays for, or the reverse).
 
 With the profile's ``serving`` section (``benchmarks.stack_profile``: what the router, HTTP,
-the streaming client, the store and etcd add on the same machine), a step's decode work costs
-``serving.decode_factor`` times the curves' (the stack's CPU slows the forward pass), a step
-that decodes ``n`` sequences ``serving.step_s + serving.token_s * n`` more (the work around
-the forward pass), a step's prefill work (its
+the streaming client, the store and etcd add on the same machine), a step that decodes ``n``
+sequences costs ``serving.step_s + serving.token_s * n`` more, a step's prefill work (its
 chunks, and a prefill-only step's overhead) costs ``serving.prefill_factor`` times the curves'
 (the stack's CPU slows prefills as well), and ``hop_s`` is the latency of one message between
 client, router and worker (0 without it).
@@ -66,7 +64,6 @@ class StepCosts:
         self.hop_s = stack.hop_s if stack else 0.0
         self._o_step, self._o_tok = (stack.step_s, stack.token_s) if stack else (0.0, 0.0)
         self.prefill_factor = stack.prefill_factor if stack else 1.0
-        self.decode_factor = stack.decode_factor if stack else 1.0
         self.block_size = block_size or profile.model.block_size
         self.block_bytes = profile.model.kv_bytes_per_token * self.block_size
 
@@ -137,8 +134,7 @@ class StepCosts:
             extra += self.chunk_s(k, p)
         if decode_contexts:
             n = len(decode_contexts)
-            return (self.decode_s(n, sum(decode_contexts) / n) * self.decode_factor
-                    + extra * self.prefill_factor + self.stack_s(n))
+            return self.decode_s(n, sum(decode_contexts) / n) + extra * self.prefill_factor + self.stack_s(n)
         return (self._p_step + extra) * self.prefill_factor if chunks else 0.0
 
     # --- the store ---------------------------------------------------------------------

@@ -118,22 +118,9 @@ def test_the_prefill_factor_scales_prefill_work_and_nothing_else() -> None:
         profile(), serving=serving())).step_s([128] * 4, []))
 
 
-def test_the_decode_factor_scales_the_decode_forward_pass_and_nothing_else() -> None:
-    slowed = dataclasses.replace(serving(), decode_factor=1.25)
-    plain, stack = StepCosts(profile()), StepCosts(dataclasses.replace(profile(), serving=serving()))
-    served = StepCosts(dataclasses.replace(profile(), serving=slowed))
-    # A decode step: the curves' price 1.25x, then the stack's step and token costs on top.
-    assert served.step_s([128] * 4, []) == pytest.approx(1.25 * plain.step_s([128] * 4, []) + 0.002 + 4 * 0.003)
-    # A mixed step: only its decode part scales; a prefill-only step not at all.
-    assert served.step_s([128], [(10, 0)]) - stack.step_s([128], [(10, 0)]) == pytest.approx(
-        0.25 * plain.decode_s(1, 128))
-    assert served.step_s([], [(100, 0)]) == plain.step_s([], [(100, 0)])
-
-
 def test_the_serving_section_round_trips_through_the_profile_file(tmp_path: Path) -> None:
     prof = dataclasses.replace(profile(), serving=dataclasses.replace(
-        serving(), prefill_factor=1.2, decode_factor=1.1, decode_steps=900,
-        prefill_points=(pf.ServingPrefillPoint(384, 2, 2.1, 1.8, 1.5),)))
+        serving(), prefill_factor=1.2, prefill_points=(pf.ServingPrefillPoint(384, 2, 2.1, 1.8, 1.5),)))
     back = pf.load(pf.save(prof, tmp_path / "p.json"))
     assert back.serving == prof.serving and back.curves.keys() == prof.curves.keys()
     assert "serving" not in json.loads(pf.save(profile(), tmp_path / "q.json").read_text())
