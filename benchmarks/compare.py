@@ -316,16 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trace part's rates, comma-separated (default 0.1,...,0.5; quick 0.3)")
     p.add_argument("--mixed-extra", default="", help="extra sweep flags for the mixed parts, e.g. "
                    "'--mixed-long-share 0.3 --rates 0.3 --point-seconds 70'")
+    p.add_argument("--part-flags", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="extra sweep flags for one part, after every other (later flags win); repeatable, "
+                        "e.g. 'trace=--rates 0.1,0.15,0.2 --point-seconds 120'")
     p.add_argument("--step-trace", action="store_true",
                    help="every worker logs its steps to OUT/NAME/steps-ROLE-PID.jsonl (kvengine serve "
                         "--step-trace): the step times the simulator's are checked against")
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def build_plan(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """The parts this run has, and each one's (part, label, sweep flags) after the flags that
+    change them: ``--mixed-extra``, ``--point-seconds``, ``--trace-rates``, then
+    ``--part-flags`` (later flags win)."""
     wanted = (args.parts or ",".join([lbl for _, lbl, _ in parts(args.quick)]
                                      + ([] if args.quick else ["long_hit"]))).split(",")
     plan = [(part, label, f"{flags} {args.mixed_extra}".strip() if part == "mixed" else flags)  # later flags win
@@ -335,6 +338,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace_rates:
         plan = [(part, label, f"{flags} --rates {args.trace_rates}" if part == "trace" else flags)
                 for part, label, flags in plan]
+    extra: dict[str, str] = {}
+    for item in args.part_flags:
+        label, sep, flags = item.partition("=")
+        if not sep or label not in wanted:
+            raise SystemExit(f"--part-flags takes LABEL=FLAGS for a part this run has ({','.join(wanted)}), got {item!r}")
+        extra[label] = f"{extra.get(label, '')} {flags}".strip()
+    plan = [(part, label, f"{flags} {extra[label]}" if label in extra else flags) for part, label, flags in plan]
+    return wanted, plan
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted, plan = build_plan(args)
     results: dict[str, Any] = {}
     slos: dict[str, dict[str, float]] = {}
     t0 = time.time()

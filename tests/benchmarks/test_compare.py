@@ -1,6 +1,8 @@
 """benchmarks.compare: the router-log figures and the per-run plan (no processes started)."""
 
-from benchmarks.compare import CONFIGS, log_stats, parts, probe_requests
+import pytest
+
+from benchmarks.compare import CONFIGS, build_parser, build_plan, log_stats, parts, probe_requests
 
 
 def _record(prompt, out, phases, kv=(0, 0), first=1.0):
@@ -34,3 +36,20 @@ def test_plan_and_configurations_share_one_budget():
                      for a in c["up"].split() if a.startswith("--worker-arg=--num-blocks="))
               for n, c in CONFIGS.items()}
     assert set(blocks.values()) == {512}
+
+
+def test_part_flags_go_last_on_their_own_part_only():
+    args = build_parser().parse_args(["--parts", "mixed,trace,multi_turn", "--point-seconds", "40",
+                                      "--mixed-extra", "--rates 0.2,0.3", "--trace-rates", "0.1,0.2",
+                                      "--part-flags", "trace=--rates 0.1,0.15 --point-seconds 120",
+                                      "--part-flags", "multi_turn=--rates 0.4,0.6"])
+    wanted, plan = build_plan(args)
+    assert wanted == ["mixed", "trace", "multi_turn"]
+    flags = {label: f.split() for _, label, f in plan}
+    # The sweep's parser keeps the last of a repeated flag: each part's own extra wins.
+    assert flags["trace"][-4:] == ["--rates", "0.1,0.15", "--point-seconds", "120"]
+    assert flags["multi_turn"][-2:] == ["--rates", "0.4,0.6"]
+    assert flags["mixed"][-4:] == ["--rates", "0.2,0.3", "--point-seconds", "40"]
+    assert "0.1,0.15" not in flags["mixed"] and "0.4,0.6" not in flags["trace"]
+    with pytest.raises(SystemExit, match="LABEL=FLAGS"):
+        build_plan(build_parser().parse_args(["--parts", "trace", "--part-flags", "mixed=--rates 1"]))
