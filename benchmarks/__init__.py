@@ -31,6 +31,7 @@ flags)::
     .venv/bin/python -m benchmarks.recommend_check  # kvplan recommend on compare's workloads against the runs
     .venv/bin/python -m benchmarks.step_fidelity    # the simulator's step times against a worker's traced steps
     .venv/bin/python -m benchmarks.stack_profile    # what the serving stack adds beside the engine: a profile's serving section
+    .venv/bin/python -m benchmarks.steadiness       # how far this machine's speed moves: one decode step, timed over and over
     .venv/bin/python -m benchmarks.fleet_sim        # simulated GPU fleets on the Mooncake trace (a simulation)
     .venv/bin/python -m benchmarks.gpu_check        # every CUDA path and the GPU figures (scripts/gpu_check.sh)
 """
