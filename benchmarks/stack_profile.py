@@ -308,7 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _batches(text: str) -> list[int]:
+def batch_sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated positive batch sizes."""
     out = [int(x) for x in text.split(",") if x.strip()]
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes are positive integers, got {text!r}")
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvrouter up layout flags (default: benchmarks.compare's layout for the profile's threads)")
     p.add_argument("--hops", type=int, default=6, help="unloaded requests for the hop (after one warm-up)")
     p.add_argument("--hop-prompt", type=int, default=32, help="their prompt tokens")
-    p.add_argument("--batches", type=_batches, default=[1, 2, 4, 8], help="concurrent requests per round")
+    p.add_argument("--batches", type=batch_sizes, default=[1, 2, 4, 8], help="concurrent requests per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per batch size")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of a round's requests")
     p.add_argument("--output", type=int, default=96, help="output tokens of a round's requests")

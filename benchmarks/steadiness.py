@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from benchmarks import lifecycle
+from benchmarks.stack_profile import batch_sizes
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,13 +100,6 @@ def _cpus(text: str) -> set[int]:
     return out
 
 
-def _batches(text: str) -> list[int]:
-    out = [int(x) for x in text.split(",") if x.strip()]
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes are positive integers, got {text!r}")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.steadiness", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the split's workers)")
     p.add_argument("--cpus", type=_cpus, default=None,
                    help="CPUs of the pinned blocks, comma-separated (default: the last --threads CPUs)")
-    p.add_argument("--batches", type=_batches, default=[1, 8], help="decode batch sizes (default 1,8)")
+    p.add_argument("--batches", type=batch_sizes, default=[1, 8], help="decode batch sizes (default 1,8)")
     p.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache")
     p.add_argument("--blocks", type=int, default=20, help="timed blocks, alternating free and pinned")
     p.add_argument("--block-seconds", type=float, default=2.0, help="seconds a block")
