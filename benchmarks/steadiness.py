@@ -31,6 +31,7 @@ from typing import Any
 
 from benchmarks import lifecycle
 from benchmarks.stack_profile import batch_sizes
+from router.cluster.child import parse_cpus
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,8 +65,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     runner.execute(items)
                     seen[b].append(time.perf_counter() - t0)
-            blocks.append({"mode": mode, "median_ms": {b: statistics.median(v) * 1e3 for b, v in seen.items()},
-                           "steps": {b: len(v) for b, v in seen.items()}})
+            blocks.append({"mode": mode, "median_ms": {b: statistics.median(v) * 1e3 for b, v in seen.items()}})
     finally:
         os.sched_setaffinity(0, everywhere)
     return summarize(blocks, args)
@@ -90,13 +90,14 @@ def summarize(blocks: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     return out
 
 
-def _cpus(text: str) -> set[int]:
+def _cpus(text: str) -> frozenset[int]:
+    """``kvrouter up``'s CPU-list syntax (``router.cluster.child.parse_cpus``), this machine's CPUs only."""
     try:
-        out = {int(x) for x in text.split(",") if x.strip()}
-    except ValueError:
-        out = set()
-    if not out or not out <= set(range(os.cpu_count() or 1)):
-        raise argparse.ArgumentTypeError(f"--cpus is a comma-separated list of this machine's CPUs, got {text!r}")
+        out = parse_cpus(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not out <= set(range(os.cpu_count() or 1)):
+        raise argparse.ArgumentTypeError(f"--cpus names CPUs this machine does not have: {text!r}")
     return out
 
 
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the split's workers)")
     p.add_argument("--cpus", type=_cpus, default=None,
-                   help="CPUs of the pinned blocks, comma-separated (default: the last --threads CPUs)")
+                   help="CPUs of the pinned blocks, as kvrouter up takes them: 1, 0,1 or 0-1 (default: the last --threads CPUs)")
     p.add_argument("--batches", type=batch_sizes, default=[1, 8], help="decode batch sizes (default 1,8)")
     p.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache")
     p.add_argument("--blocks", type=int, default=20, help="timed blocks, alternating free and pinned")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads < 1 or args.blocks < 2 or args.block_seconds <= 0 or args.context < 1:
         raise SystemExit("--threads >= 1, --blocks >= 2 (one of each mode), --block-seconds > 0, --context >= 1")
     n = os.cpu_count() or 1
-    args.cpus = args.cpus or set(range(max(n - args.threads, 0), n))
+    args.cpus = args.cpus or frozenset(range(max(n - args.threads, 0), n))
     print(json.dumps(measure(args)), flush=True)
 
 
