@@ -12,7 +12,7 @@ Data path (keys and block ids; usable without an engine):
   where it lies (pinned in the store's arena on shared memory, in a reused receive buffer
   over TCP) and copied straight into its slot of a contiguous CPU cache, or into a pooled
   pinned ring whose verified rows go to a CUDA cache in groups of asynchronous copies
-  (``engine.kv.scatter``; reused by a later load once its copies are done). Without the
+  (``kvstore.client.scatter``; reused by a later load once its copies are done). Without the
   native kernel the blocks land in a pooled buffer and are decoded and copied in Python. It returns the length of the leading run of verified blocks; a missing or
   corrupt block and everything after it are left for the engine to recompute (their slots
   may hold verified bytes of later blocks, which the recompute overwrites), and are counted.
@@ -54,10 +54,11 @@ import torch
 
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
-from engine.kv.scatter import ScatterLoad, direct, scatter_kernel
+from engine.kv.scatter import cache_slots, direct
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
+from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.native.blocks import VERIFY_CODES
@@ -170,7 +171,7 @@ class KVStoreConnector:
         self._load_pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
                                        keep_per_size=1)
         # A contiguous CPU cache loads through sinks that verify and scatter in one pass
-        # (engine.kv.scatter); CUDA caches and machines without the kernel take the staged path.
+        # (kvstore.client.scatter); CUDA caches and machines without the kernel take the staged path.
         self._scatter = scatter_kernel()
         self._direct = direct(kv_cache) if load_path == "auto" else load_path == "direct"
         if load_path == "python":
@@ -306,7 +307,7 @@ class KVStoreConnector:
         source: str | None,
     ) -> tuple[int, int, int, torch.cuda.Event | None]:
         """Get ``keys`` through sinks that verify each block where it lies and copy it into its
-        slot (``engine.kv.scatter``); ``buf``'s rows are the TCP path's landing space."""
+        slot (``kvstore.client.scatter``); ``buf``'s rows are the TCP path's landing space."""
         assert self._scatter is not None
         n = len(keys)
         rows: torch.Tensor | None = None
@@ -321,8 +322,12 @@ class KVStoreConnector:
 
             copy_rows = send
 
-        load = ScatterLoad(self._scatter, self.kv_cache, self._template, keys, block_ids,
-                           buf.numpy(), threads=self.load_threads, rows=rows, copy_rows=copy_rows)
+        if rows is None:
+            slots, offsets, chunk = cache_slots(self.kv_cache, block_ids)
+        else:
+            slots, offsets, chunk = ring_slots(rows.data_ptr(), rows[0].nbytes, n)
+        load = ScatterLoad(self._scatter, self._template, keys, slots, offsets, chunk,
+                           buf.numpy(), threads=self.load_threads, copy_rows=copy_rows)
         try:
             found = self._get(list(keys), list(load.sinks), source)
         except KVStoreError as exc:

@@ -9,11 +9,13 @@ transformers on the converted checkpoint is the correctness oracle.
 
 Output (``engine.api.paths.default_model_dir()``, i.e. ``$KVCACHE_HOME/models/...`` or
 ``~/.cache/kvcache-store/models/SmolLM2-135M-Instruct``): ``config.json`` (with ``rope_theta``
-at the top level as well as in ``rope_parameters``), ``generation_config.json``,
+at the top level as well as in ``rope_parameters``, and no ``quantization_config``: the weights
+are plain float32, and vLLM refuses a config that names GGUF), ``generation_config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template).
 
 Written into a temporary sibling directory and renamed into place, so a reader sees either
-nothing or a complete checkpoint; a present checkpoint is left alone (idempotent).
+nothing or a complete checkpoint; a present checkpoint keeps its weights and only has its
+config mended (``mend``: a checkpoint converted by an earlier version still names GGUF).
 
 Known traps handled here: a GGUF-loaded model refuses ``save_pretrained``, so its state dict
 is copied into a plain model of the same class built from its config; GGUF configs carry no
@@ -71,6 +73,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
 
     out_dir = Path(out_dir)
     if is_complete(out_dir):
+        mend(out_dir)
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -116,13 +119,36 @@ def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
     return out_dir
 
 
-def _finalize(model_dir: Path, chat_template: str | None) -> None:
-    """``rope_theta`` at the top level; the chat template inside tokenizer_config.json."""
-    cfg_path = model_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+def _plain_config(cfg: dict) -> dict:
+    """The checkpoint's config as a plain float one: ``rope_theta`` at the top level, and no
+    ``quantization_config`` (transformers keeps ``{quant_method: gguf}`` from the GGUF it read,
+    though the weights written are plain float32; vLLM refuses such a config)."""
+    cfg = dict(cfg)
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]
+    cfg.pop("quantization_config", None)
+    return cfg
+
+
+def mend(model_dir: Path) -> bool:
+    """Rewrite a checkpoint converted by an earlier version into today's plain config; True
+    when it changed anything (idempotent)."""
+    cfg_path = Path(model_dir) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    plain = _plain_config(cfg)
+    if plain == cfg:
+        return False
+    tmp = cfg_path.with_name(f".config.json.{os.getpid()}")
+    tmp.write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, cfg_path)
+    return True
+
+
+def _finalize(model_dir: Path, chat_template: str | None) -> None:
+    """A plain config (``_plain_config``); the chat template inside tokenizer_config.json."""
+    cfg_path = model_dir / "config.json"
+    cfg = _plain_config(json.loads(cfg_path.read_text()))
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tc_path = model_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
@@ -138,6 +164,7 @@ def ensure_default_model(*, progress: bool = True) -> Path:
     """The default model's checkpoint directory, converting it on first use."""
     out = default_model_dir()
     if is_complete(out):
+        mend(out)
         return out
     return convert_gguf(find_default_gguf(), out, progress=progress)
 

@@ -326,7 +326,7 @@ def test_staging_pool_keeps_at_most_keep_per_size_buffers():
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threaded_scatter_loads_the_leading_run_and_writes_nothing_of_a_bad_block(keys, threads):
-    from engine.kv.scatter import scatter_kernel
+    from kvstore.client.scatter import scatter_kernel
 
     require_native(scatter_kernel() is not None, "the scatter kernel", LIBRARY.why)
     store = DictStore()

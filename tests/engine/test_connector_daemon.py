@@ -12,7 +12,7 @@ from kvstore.native.blocks import LIBRARY
 from tests.conftest import require_native
 
 from engine.kv.connector import KVStoreConnector
-from engine.kv.scatter import scatter_kernel
+from kvstore.client.scatter import scatter_kernel
 from kvstore import Client
 from kvstore.keys import block_keys, namespace_id
 from kvstore.node.arena import Arena
