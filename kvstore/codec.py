@@ -38,6 +38,7 @@ __all__ = [
     "encoded_size",
     "encode",
     "encode_into",
+    "seal",
     "decode",
     "header_template",
 ]
@@ -97,11 +98,22 @@ def encode_into(out, key: bytes, dtype: str, shape: tuple[int, ...], payload) ->
     dst = memoryview(out).cast("B")
     if dst.nbytes < HEADER_SIZE + n:
         raise ValueError(f"buffer of {dst.nbytes} bytes is too small for {HEADER_SIZE + n}")
-    checksum = xxhash.xxh3_64_intdigest(src)
+    dst[HEADER_SIZE : HEADER_SIZE + n] = src
+    return seal(dst, key, dtype, shape)
+
+
+def seal(out, key: bytes, dtype: str, shape: tuple[int, ...]) -> int:
+    """Write the header of a block whose payload already lies at ``out[HEADER_SIZE:]`` (a
+    saver that copies KV straight into its put buffer); return the encoded size."""
+    shape = tuple(int(d) for d in shape)
+    n = _payload_len(dtype, shape)
+    dst = memoryview(out).cast("B")
+    if dst.nbytes < HEADER_SIZE + n:
+        raise ValueError(f"buffer of {dst.nbytes} bytes is too small for {HEADER_SIZE + n}")
+    checksum = xxhash.xxh3_64_intdigest(dst[HEADER_SIZE : HEADER_SIZE + n])
     _FIXED.pack_into(dst, 0, MAGIC, FORMAT_VERSION, DTYPES[dtype][0], len(shape),
                      bytes(BlockKey(key)), checksum, n)
     struct.pack_into(f"<{MAX_NDIM}I", dst, _FIXED.size, *shape, *([0] * (MAX_NDIM - len(shape))))
-    dst[HEADER_SIZE : HEADER_SIZE + n] = src
     return HEADER_SIZE + n
 
 

@@ -13,18 +13,17 @@ speed, so this costs a fraction of the load; it is memoized per process by (path
 from __future__ import annotations
 
 import json
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from safetensors import SafetensorError, safe_open
 
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KV_LAYOUT
 from engine.model.llama import CausalLM, WeightError
+from kvstore.weights import files_digest
 
 __all__ = [
     "CheckpointError",
@@ -38,8 +37,6 @@ __all__ = [
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-_DIGEST_CHUNK = 64 << 20
-_digest_memo: dict[tuple[str, int, int], str] = {}
 
 
 class CheckpointError(ValueError):
@@ -129,22 +126,8 @@ def load_model(
 
 
 def weights_digest(model_dir: str | Path) -> str:
-    """Hex xxh3_128 over every safetensors file (full contents), memoized per process."""
-    h = xxhash.xxh3_128()
-    for path in checkpoint_files(model_dir):
-        st = path.stat()
-        memo_key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-        file_digest = _digest_memo.get(memo_key)
-        if file_digest is None:
-            fh = xxhash.xxh3_128()
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                for off in range(0, len(view), _DIGEST_CHUNK):
-                    fh.update(view[off : off + _DIGEST_CHUNK])
-                view.release()
-            file_digest = _digest_memo[memo_key] = fh.hexdigest()
-        h.update(f"{path.name}\0{st.st_size}\0{file_digest}\0".encode())
-    return h.hexdigest()
+    """Hex XXH3-128 over every safetensors file (``kvstore.weights.files_digest``)."""
+    return files_digest(checkpoint_files(model_dir))
 
 
 def model_facts(

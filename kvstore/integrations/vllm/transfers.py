@@ -1,0 +1,286 @@
+"""The worker side's data path: loads into and saves out of vLLM's caches, each on a thread of
+its own, so the step loop only hands work over and collects what finished.
+
+- ``load(LoadSpec)`` queues a load. The load thread (for a P/D decode, after waiting up to
+  ``wait_s`` for the blocks to appear) gets the blocks through ``kvstore.client.scatter``: each
+  is verified where it lies (the daemon's arena on shared memory, a receive row over TCP) and
+  copied straight into its place in a CPU cache, or into a host ring that is then copied into a
+  CUDA cache (``BlockLayout.scatter``). Only the leading run of verified blocks counts; the
+  blocks after it are reported failed and vLLM recomputes them (its
+  ``kv_load_failure_policy: recompute``). Unverified bytes never reach a cache.
+- ``save(SaveSpec)`` copies the blocks out at once, into a put buffer laid out as encoded
+  blocks (payload after a 64-byte header, ``kvstore.codec.seal``), and queues it; the save
+  thread skips what the store already holds, seals the rest and puts them in batches. A
+  request that finished with saves in flight (``finish``) is reported done once they are.
+- ``poll()`` returns what finished since the last call: saved requests, loaded requests and
+  the block ids that failed to load.
+
+Failure is a miss: a dead, full or slow store fails loads (recomputed) and drops saves; nothing
+raises into vLLM. Counters: ``TransferStats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore import codec
+from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel
+from kvstore.errors import CorruptBlock, KVStoreError
+from kvstore.integrations.store_link import StoreLink
+from kvstore.integrations.vllm.layout import BlockLayout
+from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec
+
+__all__ = ["Transfers", "TransferStats"]
+
+log = logging.getLogger(__name__)
+
+_MAX_BATCH_BYTES = 64 << 20
+_POLL_S = 0.005
+
+
+@dataclass
+class TransferStats:
+    loads: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_s: float = 0.0
+    failed_blocks: int = 0          # missing, corrupt or unreachable: recomputed by vLLM
+    corrupt_blocks: int = 0
+    waited_s: float = 0.0           # P/D: time spent waiting for a prefill's blocks
+    saved_blocks: int = 0
+    skipped_blocks: int = 0         # already in the store
+    saved_bytes: int = 0
+    save_s: float = 0.0
+    save_failed_blocks: int = 0
+    store_errors: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    buf: np.ndarray                 # [n, HEADER + payload] uint8: the put buffer
+
+
+class Transfers:
+    def __init__(self, load_link: StoreLink, save_link: StoreLink, layout: BlockLayout,
+                 dtype_name: str, *, load_path: str = "auto") -> None:
+        self.layout, self.dtype_name = layout, dtype_name
+        self.stats = TransferStats()
+        self._load_link, self._save_link = load_link, save_link
+        self._kernel = scatter_kernel() if load_path != "python" else None
+        self._direct = (not layout.is_cuda) if load_path == "auto" else load_path == "direct"
+        self._template = codec.header_template(dtype_name, layout.block_shape)
+        self._encoded = codec.HEADER_SIZE + layout.payload_bytes
+        self._lock = threading.Lock()
+        self._recved: set[str] = set()
+        self._failed_ids: set[int] = set()
+        self._sent: set[str] = set()
+        self._pending: dict[str, int] = {}   # request -> saves queued, not yet done
+        self._finished: set[str] = set()     # requests vLLM finished, waiting for their saves
+        self._loading = 0                    # loads queued or running
+        self._loads: queue.Queue[LoadSpec | None] = queue.Queue()
+        self._saves: queue.Queue[_Save | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._load_loop, name="kvstore-vllm-load", daemon=True),
+                         threading.Thread(target=self._save_loop, name="kvstore-vllm-save", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # --- the step loop's side ------------------------------------------------------------
+
+    def load(self, spec: LoadSpec) -> None:
+        with self._lock:
+            self._loading += 1
+        self._loads.put(spec)
+
+    def save(self, spec: SaveSpec) -> None:
+        """Copy ``spec``'s blocks out now (vLLM may reuse them once the step ends); put later."""
+        n = len(spec.keys)
+        if not n:
+            return
+        buf = np.empty((n, self._encoded), dtype=np.uint8)
+        self.layout.gather(spec.block_ids, torch.from_numpy(buf)[:, codec.HEADER_SIZE:])
+        with self._lock:
+            self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
+        self._saves.put(_Save(spec, buf))
+
+    def finish(self, req_id: str) -> bool:
+        """vLLM finished ``req_id``: True when saves are in flight (``poll`` reports it once
+        they are done), False when there is nothing to wait for."""
+        with self._lock:
+            if self._pending.get(req_id):
+                self._finished.add(req_id)
+                return True
+            return False
+
+    def poll(self) -> tuple[set[str], set[str], set[int]]:
+        """(requests whose saves are done, requests whose loads are done, failed block ids)
+        since the last call."""
+        with self._lock:
+            out = self._sent, self._recved, self._failed_ids
+            self._sent, self._recved, self._failed_ids = set(), set(), set()
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._loads.put(None)
+        self._saves.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._load_link.close()
+        self._save_link.close()
+
+    # --- load thread -----------------------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        while (spec := self._loads.get()) is not None:
+            try:
+                good = self._load(spec)
+            except Exception:  # never let one load stop the thread: the blocks are recomputed
+                log.exception("kvstore: load of %d blocks failed", len(spec.keys))
+                good = 0
+            with self._lock:
+                self._failed_ids.update(spec.block_ids[good:])
+                self._recved.add(spec.req_id)
+                self._loading -= 1
+
+    def _load(self, spec: LoadSpec) -> int:
+        n = len(spec.keys)
+        t0 = time.perf_counter()
+        client = self._load_link.get()
+        if client is None:
+            self._count(failed_blocks=n)
+            return 0
+        try:
+            if spec.wait_s > 0:
+                self._wait_for(client, spec)
+            if self._kernel is not None:
+                good, corrupt = self._get_scatter(client, spec)
+            else:
+                good, corrupt = self._get_decode(client, spec)
+        except KVStoreError as exc:
+            log.warning("kvstore: load of %d blocks failed, recomputing them: %s", n, exc)
+            self._load_link.reset()
+            self._count(failed_blocks=n, store_errors=1)
+            return 0
+        self._count(loads=1, loaded_blocks=good, loaded_bytes=good * self.layout.payload_bytes,
+                    load_s=time.perf_counter() - t0, failed_blocks=n - good, corrupt_blocks=corrupt)
+        return good
+
+    def _wait_for(self, client: Any, spec: LoadSpec) -> None:
+        """A decode after a prefill elsewhere: wait until the prefill's blocks are stored."""
+        t0 = time.monotonic()
+        deadline = t0 + spec.wait_s
+        while client.prefix_len(list(spec.keys)) < len(spec.keys) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        self._count(waited_s=time.monotonic() - t0)
+
+    def _get_scatter(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
+        n = len(spec.keys)
+        staging = np.empty((n, self._encoded), dtype=np.uint8)  # the TCP path's landing rows
+        ring: torch.Tensor | None = None
+        if self._direct:
+            slots, offsets, chunk = self.layout.slots(spec.block_ids)
+        else:
+            ring = torch.empty((n, self.layout.payload_bytes), dtype=torch.uint8,
+                               pin_memory=self.layout.is_cuda)
+            slots, offsets, chunk = ring_slots(ring.data_ptr(), self.layout.payload_bytes, n)
+        load = ScatterLoad(self._kernel, self._template, list(spec.keys), slots, offsets, chunk,
+                           staging)
+        found = client.get(list(spec.keys), list(load.sinks))
+        good, bad = load.leading_run(found)
+        if ring is not None:
+            self.layout.scatter(spec.block_ids[:good], ring)
+        return good, int(bad >= 0 and found[bad])
+
+    def _get_decode(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
+        """Without the native kernel: get into rows, verify each, copy the leading run."""
+        n = len(spec.keys)
+        rows = np.empty((n, self._encoded), dtype=np.uint8)
+        found = client.get(list(spec.keys), [rows[i] for i in range(n)])
+        good = 0
+        for i in range(n):
+            if not found[i]:
+                return good, 0
+            try:
+                header, _ = codec.decode(rows[i], expected_key=spec.keys[i])
+            except CorruptBlock as exc:
+                log.warning("kvstore: block %s failed verification: %s", spec.keys[i].hex(), exc)
+                return good, 1
+            if header.dtype != self.dtype_name or header.shape != self.layout.block_shape:
+                return good, 1
+            good += 1
+        self.layout.scatter(spec.block_ids[:good], torch.from_numpy(rows[:good, codec.HEADER_SIZE:]))
+        return good, 0
+
+    # --- save thread -----------------------------------------------------------------------
+
+    def _save_loop(self) -> None:
+        while (job := self._saves.get()) is not None:
+            try:
+                self._save(job)
+            except Exception:
+                log.exception("kvstore: save of %d blocks failed", len(job.spec.keys))
+                self._count(save_failed_blocks=len(job.spec.keys))
+            finally:
+                self._save_done(job.spec.req_id)
+
+    def _save(self, job: _Save) -> None:
+        keys, n = list(job.spec.keys), len(job.spec.keys)
+        t0 = time.perf_counter()
+        client = self._save_link.get()
+        if client is None:
+            self._count(save_failed_blocks=n)
+            return
+        try:
+            held = client.contains(keys)
+            todo = [i for i in range(n) if not held[i]]
+            per_batch = max(1, _MAX_BATCH_BYTES // self._encoded)
+            stored = 0
+            for a in range(0, len(todo), per_batch):
+                batch = todo[a:a + per_batch]
+                for i in batch:
+                    codec.seal(job.buf[i], keys[i], self.dtype_name, self.layout.block_shape)
+                stored += sum(client.put([keys[i] for i in batch], [job.buf[i] for i in batch]))
+        except KVStoreError as exc:
+            log.warning("kvstore: save of %d blocks failed, dropped: %s", n, exc)
+            self._save_link.reset()
+            self._count(save_failed_blocks=n, store_errors=1)
+            return
+        self._count(saved_blocks=stored, skipped_blocks=n - len(todo),
+                    saved_bytes=stored * self.layout.payload_bytes,
+                    save_failed_blocks=len(todo) - stored, save_s=time.perf_counter() - t0)
+
+    def _save_done(self, req_id: str) -> None:
+        with self._lock:
+            left = self._pending[req_id] - 1
+            if left:
+                self._pending[req_id] = left
+                return
+            del self._pending[req_id]
+            if req_id in self._finished:
+                self._finished.discard(req_id)
+                self._sent.add(req_id)
+
+    def _count(self, **delta: float) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def snapshot(self) -> TransferStats:
+        with self._lock:
+            return TransferStats(**asdict(self.stats))
+
+    def idle(self) -> bool:
+        """No load or save queued or running (tests and shutdown)."""
+        with self._lock:
+            return not self._pending and not self._loading
