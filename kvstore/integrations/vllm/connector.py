@@ -22,6 +22,7 @@ only maps vLLM's calls onto them. Only this module imports vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -129,8 +130,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             return spec
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        keys = tuple(for_rank(spec.keys, get_tensor_model_parallel_rank(), self.tp_size))
-        return type(spec)(**{**{f: getattr(spec, f) for f in spec.__slots__}, "keys": keys})
+        return dataclasses.replace(spec, keys=tuple(for_rank(spec.keys, get_tensor_model_parallel_rank(),
+                                                             self.tp_size)))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata

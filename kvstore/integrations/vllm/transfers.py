@@ -10,8 +10,10 @@ its own, so the step loop only hands work over and collects what finished.
   ``kv_load_failure_policy: recompute``). Unverified bytes never reach a cache.
 - ``save(SaveSpec)`` copies the blocks out at once, into a put buffer laid out as encoded
   blocks (payload after a 64-byte header, ``kvstore.codec.seal``), and queues it; the save
-  thread skips what the store already holds, seals the rest and puts them in batches. A
-  request that finished with saves in flight (``finish``) is reported done once they are.
+  thread skips what the store already holds, seals the rest and puts them in batches.
+- ``finish(req_id)``: vLLM finished a request. One that had any load or save keeps its blocks
+  (vLLM holds them for us) until ``poll`` reports it, once every transfer of it is done: an
+  abort during a load never frees blocks that the load thread still writes.
 - ``poll()`` returns what finished since the last call: saved requests, loaded requests and
   the block ids that failed to load.
 
@@ -88,7 +90,7 @@ class Transfers:
         self._sent: set[str] = set()
         self._pending: dict[str, int] = {}   # request -> saves queued, not yet done
         self._finished: set[str] = set()     # requests vLLM finished, waiting for their saves
-        self._loading = 0                    # loads queued or running
+        self._touched: set[str] = set()      # requests with a load or save, not yet finished
         self._loads: queue.Queue[LoadSpec | None] = queue.Queue()
         self._saves: queue.Queue[_Save | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._load_loop, name="kvstore-vllm-load", daemon=True),
@@ -99,8 +101,7 @@ class Transfers:
     # --- the step loop's side ------------------------------------------------------------
 
     def load(self, spec: LoadSpec) -> None:
-        with self._lock:
-            self._loading += 1
+        self._begin(spec.req_id)
         self._loads.put(spec)
 
     def save(self, spec: SaveSpec) -> None:
@@ -110,17 +111,26 @@ class Transfers:
             return
         buf = np.empty((n, self._encoded), dtype=np.uint8)
         self.layout.gather(spec.block_ids, torch.from_numpy(buf)[:, codec.HEADER_SIZE:])
-        with self._lock:
-            self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
+        self._begin(spec.req_id)
         self._saves.put(_Save(spec, buf))
 
-    def finish(self, req_id: str) -> bool:
-        """vLLM finished ``req_id``: True when saves are in flight (``poll`` reports it once
-        they are done), False when there is nothing to wait for."""
+    def _begin(self, req_id: str) -> None:
         with self._lock:
+            self._pending[req_id] = self._pending.get(req_id, 0) + 1
+            self._touched.add(req_id)
+
+    def finish(self, req_id: str) -> bool:
+        """vLLM finished ``req_id``. A request with any load or save (whose blocks vLLM holds
+        for us, ``SchedulerSide.finished``) is reported by ``poll`` once they are all done;
+        True when some are still in flight."""
+        with self._lock:
+            if req_id not in self._touched:
+                return False
+            self._touched.discard(req_id)
             if self._pending.get(req_id):
                 self._finished.add(req_id)
                 return True
+            self._sent.add(req_id)
             return False
 
     def poll(self) -> tuple[set[str], set[str], set[int]]:
@@ -151,7 +161,7 @@ class Transfers:
             with self._lock:
                 self._failed_ids.update(spec.block_ids[good:])
                 self._recved.add(spec.req_id)
-                self._loading -= 1
+            self._done(spec.req_id)
 
     def _load(self, spec: LoadSpec) -> int:
         n = len(spec.keys)
@@ -207,20 +217,22 @@ class Transfers:
         n = len(spec.keys)
         rows = np.empty((n, self._encoded), dtype=np.uint8)
         found = client.get(list(spec.keys), [rows[i] for i in range(n)])
-        good = 0
+        good = corrupt = 0
         for i in range(n):
             if not found[i]:
-                return good, 0
+                break
             try:
                 header, _ = codec.decode(rows[i], expected_key=spec.keys[i])
             except CorruptBlock as exc:
                 log.warning("kvstore: block %s failed verification: %s", spec.keys[i].hex(), exc)
-                return good, 1
+                corrupt = 1
+                break
             if header.dtype != self.dtype_name or header.shape != self.layout.block_shape:
-                return good, 1
+                corrupt = 1
+                break
             good += 1
         self.layout.scatter(spec.block_ids[:good], torch.from_numpy(rows[:good, codec.HEADER_SIZE:]))
-        return good, 0
+        return good, corrupt
 
     # --- save thread -----------------------------------------------------------------------
 
@@ -232,7 +244,7 @@ class Transfers:
                 log.exception("kvstore: save of %d blocks failed", len(job.spec.keys))
                 self._count(save_failed_blocks=len(job.spec.keys))
             finally:
-                self._save_done(job.spec.req_id)
+                self._done(job.spec.req_id)
 
     def _save(self, job: _Save) -> None:
         keys, n = list(job.spec.keys), len(job.spec.keys)
@@ -260,7 +272,7 @@ class Transfers:
                     saved_bytes=stored * self.layout.payload_bytes,
                     save_failed_blocks=len(todo) - stored, save_s=time.perf_counter() - t0)
 
-    def _save_done(self, req_id: str) -> None:
+    def _done(self, req_id: str) -> None:
         with self._lock:
             left = self._pending[req_id] - 1
             if left:
@@ -283,4 +295,4 @@ class Transfers:
     def idle(self) -> bool:
         """No load or save queued or running (tests and shutdown)."""
         with self._lock:
-            return not self._pending and not self._loading
+            return not self._pending
