@@ -2,7 +2,8 @@
 # One idempotent set-up for a fresh machine: .venv with the package and its test extras,
 # etcd from Debian's packages when no etcd binary is found, and the default model converted
 # once into the cache (~/.cache/kvcache-store/models), and the LMCache and SGLang environments
-# of the integrations (.venv-lmcache, .venv-sglang; SKIP_INTEGRATIONS=1 leaves them out).
+# of the integrations (.venv-lmcache, .venv-sglang, .venv-vllm; SKIP_INTEGRATIONS=1 leaves them
+# out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,11 +75,12 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq systemd >/dev/null
 fi
 
-# Other engines' environments (docs/integrations.md): LMCache's and SGLang's pins cannot
-# share .venv, so each has its own, used only by tests/integrations/ and lmcache_bench.
+# Other engines' environments (docs/integrations.md): LMCache's, SGLang's and vLLM's pins
+# cannot share .venv, so each has its own, used by tests/integrations/ and the benchmarks.
 if [ "${SKIP_INTEGRATIONS:-0}" != 1 ]; then
     bash scripts/setup_lmcache.sh
     bash scripts/setup_sglang.sh
+    bash scripts/setup_vllm.sh
 fi
 
 if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "[test] pyright (basic) over kvstore, engine, router, planner"
 .venv/bin/pyright kvstore engine router planner
-# The integrations import LMCache and SGLang, which only their own environments hold.
-for pair in lmcache:lmcache_plugin lmcache:lmcache_format sglang:sglang_hicache; do
-    env=.venv-${pair%%:*} module=kvstore/integrations/${pair##*:}.py
+# The integrations import LMCache, SGLang and vLLM, which only their own environments hold.
+for pair in lmcache:lmcache_plugin.py lmcache:lmcache_format.py sglang:sglang_hicache.py vllm:vllm; do
+    env=.venv-${pair%%:*} module=kvstore/integrations/${pair##*:}
     if [ -x "$env/bin/python" ]; then
         echo "[test] pyright (basic) over $module against $env"
         .venv/bin/pyright --pythonpath "$env/bin/python" "$module"

@@ -176,7 +176,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 def namespace_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", extra: str) -> dict[str, Any]:
     """Everything that changes a block's bytes: the model's config and weights, the KV spec and
     layout, vLLM's version (its backends' layouts change between versions), the TP size."""
-    import vllm
+    from vllm.version import __version__ as vllm_version
 
     mc = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -184,7 +184,7 @@ def namespace_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     files = sorted(model.glob("*.safetensors")) if model.is_dir() else []
     weights = files_digest(files) if files else f"{mc.model}@{mc.revision or 'main'}"
     return {
-        "engine": "vllm", "vllm": vllm.__version__,
+        "engine": "vllm", "vllm": vllm_version,
         "config": json.loads(mc.hf_config.to_json_string(use_diff=False)),
         "weights": weights,
         "kv_spec": type(spec).__name__, "block_size": spec.block_size,

@@ -195,6 +195,7 @@ class Transfers:
         self._count(waited_s=time.monotonic() - t0)
 
     def _get_scatter(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
+        assert self._kernel is not None
         n = len(spec.keys)
         staging = np.empty((n, self._encoded), dtype=np.uint8)  # the TCP path's landing rows
         ring: torch.Tensor | None = None
