@@ -13,67 +13,21 @@ against transformers (the project's oracle: a divergence only at a near-tie, cou
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from kvstore.client.node import Client
-from tests.integrations.vllm_driver import MARK
+from benchmarks.vllm_driver import PYTHON, Instance
 from tests.kvstore.conftest import DaemonFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SECRET = "vllm-test-secret"
 BLOCK = 32
 MAX_TOKENS = 12
-
-
-class Instance:
-    """One vLLM process (tests/integrations/vllm_driver.py)."""
-
-    def __init__(self, log: Path, **cfg: Any) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING",
-               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        self._log = log.open("w")
-        self.proc = subprocess.Popen([str(PYTHON), "-m", "tests.integrations.vllm_driver", json.dumps(cfg)],
-                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True)
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-            self._log.write(line)
-        raise AssertionError(f"the vLLM driver died; its log: {self._log.name}")
-
-    def ready(self) -> None:
-        assert self._read() == {"ready": True}
-
-    def send(self, prompts: list[list[int]], **kw: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def generate(self, prompts: list[list[int]], **kw: Any) -> dict[str, Any]:
-        self.send(prompts, **kw)
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(60)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture
@@ -83,7 +37,7 @@ def instances(tmp_path: Path) -> Iterator[Any]:
     started: list[Instance] = []
 
     def start(**cfg: Any) -> Instance:
-        started.append(Instance(tmp_path / f"vllm{len(started)}.log", **cfg))
+        started.append(Instance(tmp_path / f"vllm{len(started)}.log", max_tokens=MAX_TOKENS, **cfg))
         return started[-1]
 
     try:
@@ -154,7 +108,7 @@ def test_two_vllm_instances_share_blocks_through_the_store(instances, smollm2_di
         handed = {"kvstore": {"blocks": len(p[2]) // BLOCK}}
         b.send([p[2]], kv_transfer_params=handed)
         prefill = a.generate([p[2]])
-        decode = b._read()
+        decode = b.result()
         assert decode["counters"]["local_compute"] - hit["counters"]["local_compute"] < BLOCK
         assert decode["tokens"] == prefill["tokens"]
 
