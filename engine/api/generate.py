@@ -21,6 +21,7 @@ A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from engine.api.fields import (ApiValidationError, json_object, read_bool, read_figures, read_float,
@@ -195,7 +196,10 @@ class GenerateRequest:
 
     ``kv_source`` (optional): the store node the prefill handed the prompt's blocks to (its
     final line's ``kv_node``); the worker reads them from that node first, the rest from
-    their owners (``engine.kv.handoff``)."""
+    their owners (``engine.kv.handoff``).
+
+    ``kv_transfer_params`` (optional, a JSON object): a vLLM prefill's ``kv_transfer_params``
+    (its final line's), handed to a vLLM decode as they are; our workers ignore them."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -205,15 +209,19 @@ class GenerateRequest:
     phase: Phase = "full"
     block_keys: list[BlockKey] | None = None
     kv_source: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
             "output_token_ids": self.output_token_ids, "sampling": self.sampling.to_json(),
             "cache_salt": self.cache_salt, "phase": self.phase,
             "block_keys": None if self.block_keys is None else [k.hex() for k in self.block_keys],
             "kv_source": self.kv_source,
         }
+        if self.kv_transfer_params is not None:
+            out["kv_transfer_params"] = self.kv_transfer_params
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerateRequest:
@@ -233,7 +241,16 @@ class GenerateRequest:
             phase=read_str(obj, "phase", "full", choices=PHASES),
             block_keys=read_keys(obj, "block_keys", optional=True),
             kv_source=read_str(obj, "kv_source", None) or None,
+            kv_transfer_params=_read_params(obj),
         )
+
+
+def _read_params(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``kv_transfer_params``: absent, null, or a JSON object passed on as it is."""
+    raw = obj.get("kv_transfer_params")
+    if raw is not None and not isinstance(raw, dict):
+        raise ApiValidationError("kv_transfer_params", f"expected an object, got {type(raw).__name__}")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,12 +333,16 @@ class GenerateFinal:
     passes them on in the decode request (``GenerateRequest.block_keys``).
 
     ``kv_node`` (a prefill's final line, when it handed its blocks off): the store node that
-    holds them, passed on as the decode request's ``kv_source``."""
+    holds them, passed on as the decode request's ``kv_source``.
+
+    ``kv_transfer_params`` (a vLLM prefill's final line): what vLLM returned for its decode,
+    passed on as the decode request's ``kv_transfer_params``."""
 
     finish_reason: FinishReason
     stats: RequestStats = field(default_factory=RequestStats)
     block_keys: list[BlockKey] | None = None
     kv_node: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"finished": True, "finish_reason": self.finish_reason, "stats": self.stats.to_json()}
@@ -329,6 +350,8 @@ class GenerateFinal:
             out["block_keys"] = [k.hex() for k in self.block_keys]
         if self.kv_node is not None:
             out["kv_node"] = self.kv_node
+        if self.kv_transfer_params is not None:
+            out["kv_transfer_params"] = self.kv_transfer_params
         return out
 
     @classmethod
@@ -339,6 +362,7 @@ class GenerateFinal:
             stats=RequestStats.from_json(obj.get("stats", {})),
             block_keys=read_keys(obj, "block_keys", optional=True),
             kv_node=read_str(obj, "kv_node", None) or None,
+            kv_transfer_params=_read_params(obj),
         )
 
 
