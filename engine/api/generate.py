@@ -33,6 +33,7 @@ __all__ = [
     "Phase",
     "FinishReason",
     "WorkerRole",
+    "WorkerEngine",
     "SamplingParams",
     "GenerateRequest",
     "TokenLogprob",
@@ -49,9 +50,11 @@ WORKER_ID_HEADER = "X-KV-Worker-Id"
 Phase = Literal["prefill", "decode", "full"]
 FinishReason = Literal["stop", "length", "abort"]
 WorkerRole = Literal["prefill", "decode", "colocated"]
+WorkerEngine = Literal["kvengine", "vllm"]
 PHASES: tuple[str, ...] = ("prefill", "decode", "full")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+WORKER_ENGINES: tuple[str, ...] = ("kvengine", "vllm")
 MAX_LOGPROBS = 20
 
 
@@ -383,7 +386,12 @@ class WorkerInfo:
 
     ``draining``: the worker is changing its role (``POST /role``) and finishes what it holds
     before it registers the new one; the router sends it no new work meanwhile. On the wire
-    only while true (``"draining": true``), so other values are as before."""
+    only while true (``"draining": true``), so other values are as before.
+
+    ``engine``: what serves at ``address``: ``"kvengine"`` (ours, this API) or ``"vllm"`` (a vLLM
+    OpenAI server, registered by its KV connector: ``kvstore.integrations.vllm``), whose KV
+    events the router follows at ``kv_events`` (vLLM's ZMQ publisher, with its replay socket at
+    ``kv_events_replay``). On the wire only when not ours."""
 
     worker_id: str
     address: str                # "http://host:port"
@@ -394,6 +402,9 @@ class WorkerInfo:
     kv_capacity_blocks: int
     max_model_len: int
     draining: bool = False
+    engine: WorkerEngine = "kvengine"
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -403,6 +414,11 @@ class WorkerInfo:
         }
         if self.draining:
             out["draining"] = True
+        if self.engine != "kvengine":
+            out["engine"] = self.engine
+        for name in ("kv_events", "kv_events_replay"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     def to_etcd_value(self) -> dict[str, Any]:
@@ -435,6 +451,9 @@ class WorkerInfo:
             kv_capacity_blocks=read_int(obj, "kv_capacity_blocks", lo=0),
             max_model_len=read_int(obj, "max_model_len", lo=1),
             draining=read_bool(obj, "draining", False),
+            engine=read_str(obj, "engine", "kvengine", choices=WORKER_ENGINES),
+            kv_events=read_str(obj, "kv_events", None) or None,
+            kv_events_replay=read_str(obj, "kv_events_replay", None) or None,
         )
 
     @property

@@ -265,3 +265,60 @@ def test_a_decode_takes_a_prefills_blocks_from_its_params_and_a_dead_store_match
     dead = SchedulerSide(StoreLink(StoreSettings(address="127.0.0.1:9", timeout=0.5)), bytes(NS),
                          bs, load=True, save=True, handoff_wait_s=1)
     assert dead.matched(_request("e", list(range(200))), 0) == (0, False)
+
+
+# --- registration ------------------------------------------------------------------------------
+
+
+def test_an_instance_registers_once_its_server_is_healthy_and_leaves_on_close(etcd, unique_prefix) -> None:
+    # A plain HTTP server stands in for vLLM's /health: 503 until the instance is up.
+    import http.server
+    import json as jsonlib
+
+    from engine.api.generate import WorkerInfo
+    from kvstore.coord.etcd import EtcdClient
+    from kvstore.coord.layout import worker_key
+    from kvstore.integrations.vllm.registration import InstanceRegistration, RegisterSettings
+
+    status = {"code": 503}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cluster = unique_prefix.strip("/")
+    settings = RegisterSettings.from_mapping({"etcd": etcd, "cluster": cluster, "url": url, "role": "decode",
+                                              "kv_events": "tcp://127.0.0.1:5557", "ttl": 2})
+    value = {"address": url, "role": "decode", "model": "m", "namespace": bytes(NS).hex(), "block_size": 32,
+             "kv_capacity_blocks": 100, "max_model_len": 4096, "engine": "vllm", "kv_events": "tcp://127.0.0.1:5557"}
+    reg = InstanceRegistration(settings, value, poll_s=0.05).start()
+    client = EtcdClient(etcd)
+    key = worker_key(cluster, settings.worker_id)
+    try:
+        time.sleep(0.3)
+        assert client.get(key) is None  # not healthy yet: not registered
+        status["code"] = 200
+        deadline = time.monotonic() + 10
+        while client.get(key) is None:
+            assert time.monotonic() < deadline, "never registered"
+            time.sleep(0.05)
+        info = WorkerInfo.from_etcd_value(settings.worker_id, jsonlib.loads(client.get(key) or b""))
+        assert (info.engine, info.role, info.namespace, info.kv_events) == ("vllm", "decode", NS, "tcp://127.0.0.1:5557")
+        assert settings.worker_id.startswith("vllm-decode-")
+        reg.close()
+        assert client.get(key) is None
+    finally:
+        reg.close()
+        client.close()
+        server.shutdown()
+    with pytest.raises(ValueError, match="role must be one of"):
+        RegisterSettings.from_mapping({"etcd": etcd, "url": url, "role": "both"})
+    with pytest.raises(ValueError, match="needs url"):
+        RegisterSettings.from_mapping({"etcd": etcd, "role": "decode"})

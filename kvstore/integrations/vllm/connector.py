@@ -12,7 +12,9 @@ a block the store lost between lookup and load is recomputed, never a failed req
 ``kv_connector_extra_config``: ``address`` or ``etcd`` (+ ``cluster``), ``secret_file``,
 ``transport``, ``timeout`` (``kvstore.integrations.store_link``), ``handoff_wait_s`` (how long
 a decode waits for a prefill's blocks, default 10), ``namespace`` (an extra string in the
-namespace facts; two deployments that must never share blocks set different ones).
+namespace facts; two deployments that must never share blocks set different ones),
+``register`` (the instance in the cluster's etcd, for the router:
+``kvstore.integrations.vllm.registration``).
 
 The scheduler side is ``kvstore.integrations.vllm.scheduler`` and the worker side
 ``kvstore.integrations.vllm.transfers`` over ``kvstore.integrations.vllm.layout``; this class
@@ -39,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.integrations.store_link import StoreLink, StoreSettings
 from kvstore.integrations.vllm.layout import BlockLayout
+from kvstore.integrations.vllm.registration import InstanceRegistration, RegisterSettings
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec, for_rank
 from kvstore.integrations.vllm.transfers import Transfers
@@ -86,6 +89,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.handoff_wait_s = float(extra.get("handoff_wait_s", 10.0))
         self.scheduler_side: SchedulerSide | None = None
         self.transfers: Transfers | None = None
+        self.registration: InstanceRegistration | None = None
         self._failed: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             facts = namespace_facts(vllm_config, kv_cache_config, str(extra.get("namespace", "")))
@@ -95,6 +99,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 handoff_wait_s=self.handoff_wait_s, tp_size=self.tp_size)
             log.info("kvstore connector (scheduler): namespace %s, block size %d, role %s",
                      namespace_id(facts).hex()[:12], self.block_size, ktc.kv_role)
+            if extra.get("register") is not None:
+                reg = RegisterSettings.from_mapping(extra["register"])
+                self.registration = InstanceRegistration(
+                    reg, worker_value(vllm_config, kv_cache_config, reg, bytes(namespace_id(facts)))).start()
 
     # --- scheduler side ------------------------------------------------------------------------
 
@@ -168,6 +176,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
         if self.transfers is not None:
             self.transfers.close()
             self.transfers = None
@@ -194,6 +205,25 @@ def namespace_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         "kv_layout": kv_cache_config.kv_cache_layout, "device": _device_type(),
         "tp_size": vllm_config.parallel_config.tensor_parallel_size, "namespace": extra,
     }
+
+
+def worker_value(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", reg: RegisterSettings,
+                 namespace: bytes) -> dict[str, Any]:
+    """This instance's registration: the router's ``WorkerInfo`` etcd value, engine ``vllm``."""
+    mc = vllm_config.model_config
+    names = mc.served_model_name
+    model = names[0] if isinstance(names, (list, tuple)) else str(names or mc.model)
+    value: dict[str, Any] = {
+        "address": reg.url, "role": reg.role, "model": model, "namespace": namespace.hex(),
+        "block_size": vllm_config.cache_config.block_size,
+        "kv_capacity_blocks": kv_cache_config.num_blocks, "max_model_len": mc.max_model_len,
+        "engine": "vllm",
+    }
+    if reg.kv_events:
+        value["kv_events"] = reg.kv_events
+    if reg.kv_events_replay:
+        value["kv_events_replay"] = reg.kv_events_replay
+    return value
 
 
 def _device_type() -> str:
