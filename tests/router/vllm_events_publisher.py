@@ -68,7 +68,8 @@ def main() -> None:
                                     topic=cmd.get("topic", ""))
             published = 0
             cfg = pub.get_publisher_config()
-            answer: dict[str, Any] = {"endpoint": cfg.endpoint, "replay_endpoint": cfg.replay_endpoint}
+            answer: dict[str, Any] = {"endpoint": cfg.endpoint,
+                                      "replay_endpoint": cfg.replay_endpoint}
         elif cmd["op"] == "publish":
             assert pub is not None
             pub.publish(KVEventBatch(ts=time.time(), events=[_event(e) for e in cmd["events"]]))
