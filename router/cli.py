@@ -145,8 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-port", type=int, default=0,
                    help="port of the launcher's own Prometheus /metrics (restarts of children) on "
                         "127.0.0.1 (default 0: a free port, printed; -1: none)")
+    u.add_argument("--engine", choices=("kvengine", "vllm"), default="kvengine",
+                   help="what serves as each worker: kvengine (ours, default) or vllm (vLLM's OpenAI server "
+                        "with the store's KV connector, from --vllm-python; docs/integrations.md)")
+    u.add_argument("--vllm-python", default="",
+                   help="the Python whose vLLM --engine vllm runs (default: the repository's .venv-vllm, "
+                        "made by scripts/setup_vllm.sh)")
+    u.add_argument("--vllm-kv-cache", default="1G",
+                   help="each vLLM instance's KV cache, e.g. 4G (default 1G; --engine vllm)")
+    u.add_argument("--vllm-block-size", type=int, default=32,
+                   help="vLLM's block size in tokens (default 32: its CPU attention takes multiples of 32)")
     u.add_argument("--worker-arg", action="append", default=[],
-                   help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256")
+                   help="extra flag for every `kvengine serve` (repeatable), e.g. --worker-arg=--num-blocks=256; "
+                        "with --engine vllm, for every vLLM server, e.g. --worker-arg=--max-num-seqs=8")
     u.add_argument("--store-arg", action="append", default=[],
                    help="extra flag for every `kvstore serve` (repeatable), e.g. --store-arg=--ssd-dir=/data")
     u.add_argument("--ucx", action="store_true",
@@ -342,7 +353,8 @@ def _up(args: argparse.Namespace) -> int:
             store_args=tuple(args.store_arg) + (("--ucx",) if args.ucx else ()),
             prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
             colocated_cpus=args.colocated_cpus, tls=tls_config, workers_by_index=args.autoscale,
-            router_args=_scaling_argv(args))
+            router_args=_scaling_argv(args), engine=args.engine, vllm_python=args.vllm_python,
+            vllm_kv_cache=args.vllm_kv_cache, vllm_block_size=args.vllm_block_size)
         tls.configure(tls_config)   # the launcher's own calls to etcd and the router
     except ValueError as exc:   # SecretError and TLSError are ones
         print(f"kvrouter up: {exc}", file=sys.stderr)

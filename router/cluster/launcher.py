@@ -56,6 +56,7 @@ from kvstore import secret as cluster_secret
 from kvstore.errors import KVStoreError
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
+from kvstore.daemon.config import parse_size
 from kvstore.tls import TLSConfig
 from router.cluster.child import ChildProcess, free_port, parse_cpus, port_taken
 
@@ -67,6 +68,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SECRET_FILE_NAME = "cluster-secret"     # in the log directory, 0600
 STATE_FILE_NAME = "cluster.json"        # in the log directory: what runs now
 _WORKER_KINDS = frozenset({"prefill", "decode", "colocated"})
+
+
+def default_vllm_python() -> Path:
+    """The repository's ``.venv-vllm`` (``scripts/setup_vllm.sh``), where ``--engine vllm`` runs."""
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 class LaunchError(RuntimeError):
@@ -129,10 +135,16 @@ class ClusterSpec:
     colocated_cpus: str | None = None
     workers_by_index: bool = False       # name workers worker-0, worker-1... (their role may change)
     python: str = sys.executable
+    engine: str = "kvengine"             # kvengine | vllm: what serves as each worker
+    vllm_python: str = ""                # the Python whose vLLM runs (default: the repository's .venv-vllm)
+    vllm_block_size: int = 32            # vLLM's CPU attention takes multiples of 32
+    vllm_kv_cache: str = "1G"            # each vLLM instance's KV cache
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated", "auto"):
             raise ValueError(f"mode must be disaggregated, colocated or auto, got {self.mode!r}")
+        if self.engine not in ("kvengine", "vllm"):
+            raise ValueError(f"engine must be kvengine or vllm, got {self.engine!r}")
         for cpus in (self.prefill_cpus, self.decode_cpus, self.colocated_cpus):
             if cpus is not None:
                 parse_cpus(cpus)
@@ -373,6 +385,8 @@ class LocalCluster:
                        f"node_id {child.member_id})")
 
     def _spawn_worker(self, name: str, role: str) -> ChildProcess:
+        if self.spec.engine == "vllm":
+            return self._spawn_vllm(name, role)
         spec = self.spec
         port = free_port()
         threads = str(spec.threads_per_worker)
@@ -390,6 +404,45 @@ class LocalCluster:
         if cpus:
             self.on_status(f"{name}: {threads} thread(s) pinned to CPUs {sorted(cpus)}")
         return child
+
+    def _spawn_vllm(self, name: str, role: str) -> ChildProcess:
+        """A vLLM OpenAI server with the store's connector (``kvstore.integrations.vllm``), which
+        registers it in etcd once it serves and prints the ready line waited for here."""
+        spec = self.spec
+        assert self.model_dir is not None
+        assert self._tmp is not None
+        port = free_port()
+        threads = str(spec.threads_per_worker)
+        url = f"http://127.0.0.1:{port}"
+        worker_id = f"{name}-{os.urandom(4).hex()}"
+        # vLLM's KV events carry prompts' token ids: unix sockets in the cluster's private
+        # directory, not TCP ports any local user could subscribe to (vLLM binds ipc:// ones).
+        events, replay = (f"ipc://{self._tmp}/{worker_id}.{what}" for what in ("events", "replay"))
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": "kv_both"}[role]
+        connector = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm.connector",
+            "kv_role": kv_role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "etcd": self._etcd(), "cluster": spec.cluster,
+                "register": {"etcd": self._etcd(), "cluster": spec.cluster, "url": url, "role": role,
+                             "worker_id": worker_id, "kv_events": events, "kv_events_replay": replay}}}
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": events, "replay_endpoint": replay}
+        cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus,
+                     "colocated": spec.colocated_cpus}[role]
+        argv = [spec.vllm_python or str(default_vllm_python()), "-m", "kvstore.integrations.vllm.serve",
+                "--model", str(self.model_dir), "--served-model-name", self.model_dir.name,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                "--block-size", str(spec.vllm_block_size), "--enforce-eager",
+                "--kv-cache-memory-bytes", str(parse_size(spec.vllm_kv_cache)),
+                "--kv-transfer-config", json.dumps(connector), "--kv-events-config", json.dumps(kv_events),
+                *spec.worker_args]
+        return self._spawn(name, role, argv, url,
+                           env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"},
+                           cpus=parse_cpus(cpus_text) if cpus_text else None,
+                           ready_pattern=rf"kvstore-vllm ready address={re.escape(url)} worker_id=(?P<id>\S+)")
 
     def start_router(self, *, name: str = "router", port: int | None = None,
                      mode: str | None = None, policy: str | None = None,

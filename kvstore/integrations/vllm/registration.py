@@ -10,7 +10,8 @@ Why the connector and not a sidecar: it runs inside the instance and dies with i
 ends within the TTL), and it alone knows the facts the router needs: the namespace its keys
 are under, the block size and the KV capacity vLLM allocated. It registers only once the
 server's ``/health`` answers 200 (a thread polls it), so the router never sees an instance
-that cannot take a request yet, and keeps the key alive under a lease
+that cannot take a request yet, then prints ``kvstore-vllm ready address=URL worker_id=ID``
+on stdout (the line ``kvrouter up`` waits for), and keeps the key alive under a lease
 (``kvstore.coord.registration``) until vLLM shuts the connector down.
 
 The value is the router's ``WorkerInfo`` etcd value (``engine.api.generate``: that module's
@@ -108,7 +109,8 @@ class InstanceRegistration:
                     reg.close()
                 else:
                     self._registration = reg
-            log.info("kvstore: registered vLLM instance %s (%s) at %s", s.worker_id, s.role, s.url)
+            # The ready line a launcher waits for (router.cluster.launcher), as kvengine prints its own.
+            print(f"kvstore-vllm ready address={s.url} worker_id={s.worker_id}", flush=True)
             return
 
     def close(self) -> None:
