@@ -18,7 +18,9 @@ Where a choice starts is its :class:`~router.placement.route.Plan`:
   ``output_token_ids=[first]`` and those ``block_keys`` (the decode worker refuses them with
   409, ``KeyMismatch``, if its own keys differ) and ``kv_source`` = the prefill's ``kv_node``
   (the store node on the prefill's host that holds the blocks: the decode reads them there,
-  one hop; ``engine.kv.handoff``) streams the rest. A resume keeps the same source.
+  one hop; ``engine.kv.handoff``) streams the rest. A resume keeps the same source. A vLLM
+  prefill's ``kv_transfer_params`` go to the decode the same way (its connector waits for
+  the blocks they name: ``kvstore.integrations.vllm``).
 - ``"full"`` (colocated, auto-local): one worker prefills and decodes.
 
 Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
@@ -130,6 +132,7 @@ class ChoiceRun:
     sent: list[int] = field(default_factory=list)
     block_keys: list[BlockKey] | None = None       # the prefill's prompt block keys, for the decode
     kv_source: str | None = None                   # the store node the prefill handed them to
+    kv_transfer_params: dict | None = None         # a vLLM prefill's, for its decode
     stats: list[RequestStats] = field(default_factory=list)   # each successful phase's
     _next: Phase | None = None
     _next_worker: WorkerHandle | None = None
@@ -182,7 +185,8 @@ class ChoiceRun:
         request = GenerateRequest(self.request.request_id, prompt, self.request.sampling,
                                   list(self.sent), self.request.cache_salt, phase,
                                   block_keys=self.block_keys if phase == "decode" else None,
-                                  kv_source=self.kv_source if phase == "decode" else None)
+                                  kv_source=self.kv_source if phase == "decode" else None,
+                                  kv_transfer_params=self.kv_transfer_params if phase == "decode" else None)
         self._next = self._next_worker = None
         self._live[worker.worker_id] = worker
         if self.hooks.on_route:
@@ -222,6 +226,7 @@ class ChoiceRun:
             return []
         self.record.mark("prefill_end")
         self.block_keys, self.kv_source = final.block_keys, final.kv_node
+        self.kv_transfer_params = final.kv_transfer_params
         for chunk in run.held:
             self.sent.extend(chunk.token_ids)
         if final.finish_reason == "stop" or len(self.sent) >= self.request.sampling.max_tokens:
