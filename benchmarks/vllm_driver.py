@@ -6,7 +6,7 @@ benchmarks/vllm_bench.py.
 Started as ``python -m benchmarks.vllm_driver CONFIG_JSON``; the config names ``model``,
 ``connector`` (``kvstore``, the default; ``example``, vLLM's ``ExampleConnector`` over
 ``storage_path``; ``none``), ``address`` (the daemon), ``secret_file``, ``kv_role``,
-``block_size``, ``prefix_caching``, ``handoff_wait_s``, ``max_model_len``, ``kv_cache_bytes``.
+``block_size``, ``prefix_caching``, ``handoff_wait_s``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_batched_tokens``.
 It answers ``{"ready": true}`` once vLLM is up, then per command
 ``{"prompts": [[ids...], ...], "max_tokens": n, "kv_transfer_params": {...} | null}``: each
 prompt's greedy token ids, generated one prompt at a time, the seconds each took, and vLLM's
@@ -122,13 +122,20 @@ def main() -> None:
               max_model_len=cfg.get("max_model_len", 8192), enforce_eager=True,
               enable_prefix_caching=cfg.get("prefix_caching", True), kv_transfer_config=ktc,
               max_num_seqs=4, kv_cache_memory_bytes=cfg.get("kv_cache_bytes", 1 << 30), seed=0,
+              max_num_batched_tokens=cfg.get("max_num_batched_tokens"),
               disable_log_stats=False)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("reset_prefix_cache"):
-            ok = llm.reset_prefix_cache()
-            print(MARK + json.dumps({"reset": bool(ok) if ok is not None else True}), flush=True)
+            # vLLM refuses while blocks are in use: a finished request's blocks stay held until
+            # the connector's save of them is done (seconds for a long prompt). Bounded retries.
+            deadline, ok = time.monotonic() + 120, False
+            while not ok and time.monotonic() < deadline:
+                ok = llm.reset_prefix_cache() in (True, None)
+                if not ok:
+                    time.sleep(0.1)
+            print(MARK + json.dumps({"reset": ok}), flush=True)
             continue
         extra_args = ({"kv_transfer_params": cmd["kv_transfer_params"]}
                       if cmd.get("kv_transfer_params") else None)
