@@ -88,7 +88,7 @@ class Transfers:
         self._recved: set[str] = set()
         self._failed_ids: set[int] = set()
         self._sent: set[str] = set()
-        self._pending: dict[str, int] = {}   # request -> saves queued, not yet done
+        self._pending: dict[str, int] = {}   # request -> loads and saves queued, not yet done
         self._finished: set[str] = set()     # requests vLLM finished, waiting for their saves
         self._touched: set[str] = set()      # requests with a load or save, not yet finished
         self._loads: queue.Queue[LoadSpec | None] = queue.Queue()
