@@ -38,7 +38,7 @@ def _counters(llm: Any) -> dict[str, float]:
         if m.name == "vllm:prompt_tokens_by_source":
             out[m.labels.get("source", "?")] = float(m.value)
         elif m.name in ("vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits",
-                        "vllm:prompt_tokens"):
+                        "vllm:prompt_tokens") or m.name.startswith("vllm:kvstore_"):
             out[m.name.removeprefix("vllm:")] = float(m.value)
     return out
 

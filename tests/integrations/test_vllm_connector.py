@@ -101,6 +101,7 @@ def test_two_vllm_instances_share_blocks_through_the_store(instances, smollm2_di
         full = sum((len(x) - 1) // BLOCK for x in p[:2])
         assert _hits(daemon.address) - before >= full
         assert hit["counters"]["external_kv_transfer"] == full * BLOCK
+        assert hit["counters"]["kvstore_loaded_blocks"] == full  # the connector's own counter
         assert hit["counters"]["local_compute"] == sum(len(x) for x in p[:2]) - full * BLOCK
         assert hit["tokens"] == device_hit["tokens"]
 

@@ -18,7 +18,8 @@ namespace facts; two deployments that must never share blocks set different ones
 
 The scheduler side is ``kvstore.integrations.vllm.scheduler`` and the worker side
 ``kvstore.integrations.vllm.transfers`` over ``kvstore.integrations.vllm.layout``; this class
-only maps vLLM's calls onto them. Only this module imports vLLM.
+only maps vLLM's calls onto them, and reports the worker side's counters through vLLM's
+stats and Prometheus seams (``metrics``). Only this module and ``metrics`` import vLLM.
 """
 # pyright: reportMissingImports=false
 
@@ -44,7 +45,8 @@ from kvstore.integrations.vllm.layout import BlockLayout
 from kvstore.integrations.vllm.registration import InstanceRegistration, RegisterSettings
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec, for_rank
-from kvstore.integrations.vllm.transfers import Transfers
+from kvstore.integrations.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics, delta
+from kvstore.integrations.vllm.transfers import Transfers, TransferStats
 from kvstore.keys import namespace_id
 from kvstore.weights import files_digest
 
@@ -90,6 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.transfers: Transfers | None = None
         self.registration: InstanceRegistration | None = None
+        self._reported = TransferStats()
         self._failed: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             facts = namespace_facts(vllm_config, kv_cache_config, str(extra.get("namespace", "")))
@@ -174,6 +177,26 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed = self._failed, set()
         return out
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """The worker side's counters' growth since the last call (vLLM's log and /metrics)."""
+        if self.transfers is None:
+            return None
+        now = self.transfers.snapshot()
+        grown = delta(now, self._reported)
+        self._reported = now
+        stats = KVStoreConnectorStats(data=grown)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[Any, Any],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.registration is not None:
