@@ -435,6 +435,7 @@ class LocalCluster:
                 "--model", str(self.model_dir), "--served-model-name", self.model_dir.name,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--block-size", str(spec.vllm_block_size), "--enforce-eager",
+                "--enable-prompt-tokens-details", "--enable-per-request-metrics",
                 "--kv-cache-memory-bytes", str(parse_size(spec.vllm_kv_cache)),
                 "--kv-transfer-config", json.dumps(connector), "--kv-events-config", json.dumps(kv_events),
                 *spec.worker_args]

@@ -27,6 +27,10 @@ and a task following the worker's event stream into the shared :class:`KvIndex`.
 
 ``StaticMembership`` is the same interface over a fixed list (no etcd): for colocated setups
 and tests. Everything here runs on one asyncio loop; only ``_wake`` crosses threads.
+
+A member whose ``WorkerInfo.engine`` is ``vllm`` (a vLLM server, registered by the store's KV
+connector) gets a ``router.workers.vllm_client.VllmWorkerClient`` instead, its index fed from
+vLLM's ZMQ KV events at ``info.kv_events``: the rest of the router drives it as one of ours.
 """
 
 from __future__ import annotations
@@ -290,8 +294,17 @@ class WorkerPool:
         handle.info = handle.load.info = handle.client.info = info
         return True
 
+    def _client(self, info: WorkerInfo) -> WorkerClient:
+        """Our worker's API, or a vLLM server's (``info.engine``) with its KV events followed."""
+        if info.engine != "vllm":
+            return WorkerClient(info, timeout=self._client_timeout, headers=self._headers)
+        from router.workers.vllm_client import VllmWorkerClient, zmq_kv_events
+
+        events = zmq_kv_events(info, info.kv_events, info.kv_events_replay) if info.kv_events else None
+        return VllmWorkerClient(info, timeout=self._client_timeout, headers=self._headers, events=events)
+
     def _add(self, info: WorkerInfo) -> None:
-        client = WorkerClient(info, timeout=self._client_timeout, headers=self._headers)
+        client = self._client(info)
         peers = (h.load for h in self._workers.values() if h.info.namespace == info.namespace)
         load = WorkerLoad(info, peer_priors(self._rates, peers))
         self.index.add_worker(info.worker_id)

@@ -45,7 +45,7 @@ def _run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
 
 def _client(pd: VllmPD, server: VllmServer, **kw: Any) -> VllmWorkerClient:
     kw.setdefault("headers", pd.headers)
-    return VllmWorkerClient(pd.worker_info(server, namespace=NS), **kw)
+    return VllmWorkerClient(pd.worker_info(server), **kw)
 
 
 async def _collect(client: VllmWorkerClient, request: GenerateRequest
@@ -268,8 +268,8 @@ def test_follow_events_keys_vllms_kv_events_into_the_index(vllm_pd: VllmPD) -> N
 
     pd, server = vllm_pd, vllm_pd.producer
     prompt = _prompt(pd, 100, 5000)
-    info = pd.worker_info(server, namespace=NS)
-    keys = block_keys(NS, prompt, pd.block_size)
+    info = pd.worker_info(server)   # its registration: the namespace its connector keys under
+    keys = block_keys(info.namespace, prompt, pd.block_size)
     assert len(keys) == 3
 
     async def go() -> None:
