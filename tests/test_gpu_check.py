@@ -24,7 +24,7 @@ from benchmarks.gpu_check.runner import Ctx, NotImplementedHook, OutOfTime, Sect
 from tests.cli_help import flags_without_help
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["env", "triton_kernel", "staging", "gpu_tier", "client_cuda", "store_load", "cuda_ipc"]
+FAST = ["env", "triton_kernel", "staging", "gpu_tier", "client_cuda", "store_load", "vllm_layout", "cuda_ipc"]
 
 
 def _ctx(tmp_path: Path, device: str = "cpu") -> Ctx:
@@ -116,7 +116,8 @@ def test_the_cpu_selftest_runs_the_driver_end_to_end(tmp_path):
     assert rows["staging"]["auto"]["allocations_after_warmup"] == 0
     assert rows["store_load"]["ours_ms"] > 0 and rows["store_load"]["blocks"] == 16
     assert rows["client_cuda"]["tcp"] == {"found": [True] * 4, "equal": True}
-    assert "summary: pass 5, unsupported 2" in (out / "gpu_check.log").read_text()
+    assert {rows["vllm_layout"][k]["chunks_per_block"] for k in ("flash_attn", "head_major")} == {4, 2}
+    assert "summary: pass 6, unsupported 2" in (out / "gpu_check.log").read_text()
     assert ".venv/bin/python" in r.stdout  # the script's own line, before the driver's
 
 

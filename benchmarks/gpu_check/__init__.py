@@ -21,6 +21,9 @@ disagg            70  prefill worker -> store -> decode worker == colocated; cor
                       missing blocks recomputed (benchmarks.gpu_check.disagg)
 store_load        30  124 blocks (87 MiB) into a CUDA paged cache vs CPU verify + one
                       pinned copy, and the bare pinned copy (benchmarks.gpu_check.figures)
+vllm_layout       30  the vLLM connector's saves and staged loads on FlashAttention- and
+                      head-major-shaped device caches, bit-exact, vs a bare pinned copy
+                      (benchmarks.gpu_check.vllm_layout)
 decode_tps        50  decode tokens/s at batch 1/32/128, ours vs transformers, bf16
 prefill_tps       30  prefill tokens/s at 512/4096 tokens, ours vs transformers, bf16
 cuda_ipc          30  hook: the transports issue's CUDA IPC check (benchmarks.gpu_check.hooks)

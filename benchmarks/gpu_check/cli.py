@@ -16,7 +16,7 @@ __all__ = ["SECTIONS", "build_parser", "main"]
 
 def _sections() -> list[Section]:
     from benchmarks.gpu_check import correctness as c
-    from benchmarks.gpu_check import disagg, figures, hooks, ucx_cuda
+    from benchmarks.gpu_check import disagg, figures, hooks, ucx_cuda, vllm_layout
 
     def doc(fn) -> str:
         return (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
@@ -32,6 +32,8 @@ def _sections() -> list[Section]:
                 "the colocated worker; corrupt and missing blocks are recomputed"),
         Section("store_load", 30, figures.store_load, doc="store load into the paged cache vs CPU "
                 "verify + one pinned copy, and the bare pinned copy"),
+        Section("vllm_layout", 30, vllm_layout.run, doc="the vLLM connector's saves and staged loads on "
+                "FlashAttention- and head-major-shaped device caches, bit-exact, vs a bare pinned copy"),
         Section("decode_tps", 50, figures.decode_tps, doc="decode tokens/s, ours vs transformers"),
         Section("prefill_tps", 30, figures.prefill_tps, doc="prefill tokens/s, ours vs transformers"),
         Section("cuda_ipc", 30, hooks.cuda_ipc, cuda_only=True, doc="hook: the transports issue's "
@@ -46,7 +48,7 @@ def _sections() -> list[Section]:
 
 # The names, in order, without importing the sections (torch, transformers) for --help.
 SECTIONS = ["env", "triton_kernel", "engine_greedy", "staging", "gpu_tier", "client_cuda", "disagg",
-            "store_load", "decode_tps", "prefill_tps", "cuda_ipc", "ucx_cuda", "profile"]
+            "store_load", "vllm_layout", "decode_tps", "prefill_tps", "cuda_ipc", "ucx_cuda", "profile"]
 
 
 def build_parser() -> argparse.ArgumentParser:
