@@ -13,7 +13,8 @@
 - text out: :mod:`router.http.openai_responses` builds bodies and SSE chunks.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health`` (each dependency: etcd, the store, the workers by role;
+``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, with the router's
+tokenizer; ``vllm bench serve`` checks its prompts' lengths with them), ``GET /health`` (each dependency: etcd, the store, the workers by role;
 ``degraded`` when one is down; 503 only while no worker can decode), ``GET /metrics``,
 ``GET /admin/scaling`` (the per-pool scaling signals and desired counts as JSON,
 ``router.scaling.service``; it needs the cluster secret as ``Authorization: Bearer``, or,
@@ -52,7 +53,7 @@ from router.http.errors import (BadRequest, HTTPStatus, ModelNotFound, OpenAIErr
                                 Unauthorized, openai_error)
 from router.http.openai_responses import SSE_DONE, ResponseFormatter, ResponseKind, sse, usage_json
 from router.http.openai_types import (ChatBody, ChatRequest, CompletionBody, CompletionRequest,
-                                      RequestOptions)
+                                      DetokenizeBody, RequestOptions, TokenizeBody)
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.placement.errors import PlacementError
 from router.placement.orchestrator import Orchestrator, StorePrefixFn
@@ -223,6 +224,37 @@ def create_app(
             raise BadRequest(str(exc), param="messages") from exc
         return await _serve(state, request, "chat", model, info, [ids], req.options)
 
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
+    async def tokenize(request: Request) -> JSONResponse:
+        req = TokenizeBody.parse(await read_json_body(request, config.max_body_bytes))
+        _, info = _resolve_model(state, req.model or _any_model(state))
+        tok = state.tokenizer
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template([m.for_template() for m in req.messages],
+                                               req.add_generation_prompt, **req.chat_template_kwargs)
+            except ChatTemplateError as exc:
+                raise BadRequest(str(exc), param="messages") from exc
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            assert req.prompt is not None
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_model_len,
+                                "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.id_to_token(t) for t in ids]
+        return JSONResponse(body)
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
+    async def detokenize(request: Request) -> JSONResponse:
+        req = DetokenizeBody.parse(await read_json_body(request, config.max_body_bytes))
+        _resolve_model(state, req.model or _any_model(state))
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise BadRequest(f"'tokens' holds token ids outside the vocabulary (0..{vocab - 1})",
+                             param="tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
     return app
 
 
@@ -238,7 +270,7 @@ ADMIN_PREFIX = "/admin/"
 def _http_message(exc: StarletteHTTPException) -> str:
     if exc.status_code == 404:
         return "no such route; this server serves /v1/completions, /v1/chat/completions, " \
-               "/v1/models, /health and /metrics"
+               "/v1/models, /tokenize, /detokenize, /health and /metrics"
     if exc.status_code == 405:
         return f"method not allowed here (allowed: {(exc.headers or {}).get('allow', '?')})"
     return str(exc.detail)
@@ -280,6 +312,14 @@ def _served_models(state: AppState) -> dict[str, WorkerInfo]:
     if alias and models:
         return {alias: next(iter(models.values()))}
     return models
+
+
+def _any_model(state: AppState) -> str:
+    """The model a request that names none is about (``/tokenize``: vLLM's ``model`` is optional)."""
+    served = _served_models(state)
+    if not served:
+        raise ServiceUnavailable("no worker is registered yet; retry shortly")
+    return next(iter(served))
 
 
 def _resolve_model(state: AppState, name: str) -> tuple[str, WorkerInfo]:
@@ -342,11 +382,11 @@ async def _serve(state: AppState, http: Request, kind: ResponseKind, model: str,
                                 options.sampling(max_tokens[i], j), options.cache_salt)
             serves.append(run_choice(state.orchestrator, state.tokenizer, state.metrics,
                                      sreq, options, index, arrival))
-    prompt_tokens = sum(len(p) for p in prompts)
     if options.stream:
-        return StreamingResponse(_stream(state, fmt, kind, serves, options, prompt_tokens),
+        choice_prompt_tokens = [len(p) for p in prompts for _ in range(options.n)]
+        return StreamingResponse(_stream(state, fmt, kind, serves, options, choice_prompt_tokens),
                                  media_type="text/event-stream")
-    return await _respond(state, http, fmt, kind, serves, options, prompt_tokens)
+    return await _respond(state, http, fmt, kind, serves, options, sum(len(p) for p in prompts))
 
 
 async def _respond(state: AppState, http: Request, fmt: ResponseFormatter, kind: str,
@@ -427,8 +467,21 @@ def _cached_tokens(stats: dict[int, RequestStats], n: int) -> int:
 
 async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
                   serves: list[AsyncGenerator[ChoiceDelta, None]], options: RequestOptions,
-                  prompt_tokens: int) -> AsyncIterator[bytes]:
-    """SSE body: every choice's deltas as they come, usage if asked, ``[DONE]``."""
+                  choice_prompt_tokens: list[int]) -> AsyncIterator[bytes]:
+    """SSE body: every choice's deltas as they come, usage if asked, ``[DONE]``.
+
+    ``choice_prompt_tokens[i]``: the length of choice ``i``'s prompt. With
+    ``options.continuous_usage`` (vLLM's ``continuous_usage_stats``) every chunk of choice
+    ``i`` carries ``usage``: its prompt's tokens and the tokens choice ``i`` generated so far
+    (a chat's role chunk: 0), as vLLM's chunks do; the last chunk's usage covers them all."""
+    prompt_tokens = sum(choice_prompt_tokens[::options.n])  # each prompt once
+    generated = [0] * len(serves)
+
+    def with_usage(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        if options.continuous_usage:
+            chunk["usage"] = usage_json(choice_prompt_tokens[index], generated[index])
+        return chunk
+
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
     async def pump(deltas: AsyncGenerator[ChoiceDelta, None]) -> None:
@@ -442,7 +495,6 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
             await queue.put(None)
 
     status = "200"
-    completion_tokens = 0
     stats: dict[int, RequestStats] = {}
     state.in_flight += 1
     state.metrics.in_flight.inc()
@@ -450,7 +502,7 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
     try:
         if kind == "chat":
             for i in range(len(serves)):
-                yield sse(fmt.role_chunk(i))
+                yield sse(with_usage(fmt.role_chunk(i), i))
         open_choices = len(tasks)
         while open_choices:
             item = await queue.get()
@@ -462,15 +514,16 @@ async def _stream(state: AppState, fmt: ResponseFormatter, kind: str,
                 yield sse(err.to_json())
                 break
             else:
-                completion_tokens += len(item.token_ids)
+                generated[item.index] += len(item.token_ids)
                 if item.stats is not None:
                     stats[item.index] = item.stats
                 if item.text or item.finish_reason is not None or item.logprobs:
                     lps = (fmt.logprobs(item.token_ids, item.logprobs, item.text_offset)
                            if item.logprobs else None)
-                    yield sse(fmt.chunk(item.index, item.text, item.finish_reason, lps))
+                    yield sse(with_usage(fmt.chunk(item.index, item.text, item.finish_reason, lps),
+                                         item.index))
         if options.include_usage and status == "200":
-            usage = usage_json(prompt_tokens, completion_tokens, _cached_tokens(stats, options.n))
+            usage = usage_json(prompt_tokens, sum(generated), _cached_tokens(stats, options.n))
             yield sse(fmt.usage_chunk(usage))
         yield SSE_DONE
     except asyncio.CancelledError:

@@ -14,7 +14,9 @@ Fields are treated as vLLM treats them (``vllm/entrypoints/openai/protocol.py``)
   ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``, ``min_tokens``,
   ``logit_bias`` (OpenAI's string token-id keys become ints), ``stop_token_ids``,
   ``ignore_eos``, ``logprobs``; ``stop`` and ``include_stop_str_in_output`` are applied by the
-  router; ``cache_salt`` salts the prompt's block keys;
+  router; ``cache_salt`` salts the prompt's block keys; ``stream_options.include_usage`` and
+  ``continuous_usage_stats`` (with ``include_usage``: usage so far in every chunk); chat's
+  ``max_completion_tokens`` wins over its deprecated ``max_tokens``;
 - fields vLLM knows that this server does not implement (``echo``, ``suffix``, ``best_of``
   other than ``n``, tools, ``response_format`` other than text, guided decoding, beam
   search, ...) are refused with 400 naming the field, unless they hold their neutral value
@@ -49,6 +51,8 @@ __all__ = [
     "ChatRequest",
     "CompletionBody",
     "ChatBody",
+    "TokenizeBody",
+    "DetokenizeBody",
     "MAX_N",
     "MAX_STOP_STRINGS",
     "unicode_problem",
@@ -141,7 +145,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: Annotated[Any, _neutral(False)] = False
+    continuous_usage_stats: bool = Field(
+        False, description="with include_usage: every chunk carries its choice's usage so far")
 
 
 class _Common(_Strict):
@@ -215,6 +220,10 @@ class _Common(_Strict):
             raise BadRequest(f"'min_tokens' ({self.min_tokens}) must not exceed max_tokens "
                              f"({max_tokens})", param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        # vLLM: continuous_usage_stats counts only with include_usage
+        so = self.stream_options
+        include_usage = so is not None and so.include_usage
+        continuous_usage = so is not None and so.include_usage and so.continuous_usage_stats
         return RequestOptions(
             model=self.model, max_tokens=max_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=max(0, self.top_k), seed=self.seed,
@@ -222,7 +231,8 @@ class _Common(_Strict):
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, n=self.n,
             stream=self.stream,
-            include_usage=self.stream_options is not None and self.stream_options.include_usage,
+            include_usage=include_usage,
+            continuous_usage=continuous_usage,
             logprobs=logprobs, user=self.user, cache_salt=self.cache_salt,
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
@@ -317,6 +327,48 @@ class ChatBody(_Common):
     mm_processor_kwargs: Annotated[Any, _neutral({})] = None
 
 
+class TokenizeBody(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered by the chat
+    template, to token ids. ``add_special_tokens`` defaults as vLLM's: true for a prompt,
+    false for messages (the template has them)."""
+
+    model: Annotated[Text, Field(min_length=1)] | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[Text, JsonValue] = Field(default_factory=dict)
+    continue_final_message: Annotated[Any, _neutral(False)] = None
+    chat_template: Annotated[Any, _neutral()] = None
+    tools: Annotated[Any, _neutral([])] = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give one of 'prompt' (a string) and 'messages' (a chat)")
+        return self
+
+    @classmethod
+    def parse(cls, body: Any) -> TokenizeBody:
+        req = _validate(cls, body)
+        _ignored(req)
+        return req
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: Annotated[Text, Field(min_length=1)] | None = None
+    tokens: list[TokenId]
+
+    @classmethod
+    def parse(cls, body: Any) -> DetokenizeBody:
+        req = _validate(cls, body)
+        _ignored(req)
+        return req
+
+
 # --- what the app gets -----------------------------------------------------------------------
 
 
@@ -337,6 +389,7 @@ class RequestOptions:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
     logprobs: int | None = None     # top alternatives per token; None = no logprobs
     user: str | None = None
     cache_salt: str | None = None
@@ -398,7 +451,9 @@ class ChatRequest:
         req = _validate(ChatBody, body)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        # vLLM's rule: max_completion_tokens when given, else the deprecated max_tokens.
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return cls(tuple(m.for_template() for m in req.messages), req.options(max_tokens, logprobs),
                    req.add_generation_prompt, dict(req.chat_template_kwargs), _ignored(req))

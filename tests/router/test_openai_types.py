@@ -177,3 +177,219 @@ def test_placement_and_worker_errors_map_to_statuses_in_one_place() -> None:
         assert isinstance(err, OpenAIError) and err.status == status, exc
     assert "disagree on the prompt's block keys" in openai_error(KeyMismatch("w", 409, "k")).message
     assert openai_error(ValueError("a bug")) is None
+
+
+# --- what the standard load generators send (GuideLLM 0.8.1, AIPerf 0.13.0, vllm bench serve) --
+
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_continuous_usage_stats_is_accepted_with_vllms_meaning() -> None:
+    """vLLM: usage in every chunk, but only together with include_usage."""
+    def options(stream_options: dict) -> object:
+        return CompletionRequest.parse({"model": "m", "prompt": "x", "stream": True,
+                                        "stream_options": stream_options}).options
+
+    o = options(CONTINUOUS_USAGE)
+    assert o.include_usage and o.continuous_usage
+    o = options({"include_usage": False, "continuous_usage_stats": True})
+    assert not o.include_usage and not o.continuous_usage
+    o = options({"include_usage": True, "continuous_usage_stats": None})
+    assert o.include_usage and not o.continuous_usage
+    assert not options({"include_usage": True}).continuous_usage
+    chat = ChatRequest.parse({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "stream": True, "stream_options": CONTINUOUS_USAGE})
+    assert chat.options.continuous_usage
+
+
+@pytest.mark.parametrize(
+    ("stream_options", "stream", "param"),
+    [
+        ({"include_usage": True, "continuous_usage_stats": "yes"}, True,
+         "stream_options.continuous_usage_stats"),
+        ({"include_usage": True, "continuous_usage_stats": 1}, True,
+         "stream_options.continuous_usage_stats"),
+        (CONTINUOUS_USAGE, False, "stream_options"),
+    ],
+)
+def test_continuous_usage_stats_bad_input_names_the_field(stream_options: dict, stream: bool,
+                                                          param: str) -> None:
+    for body in ({"model": "m", "prompt": "x"},
+                 {"model": "m", "messages": [{"role": "user", "content": "x"}]}):
+        with pytest.raises(BadRequest) as info:
+            (ChatRequest if "messages" in body else CompletionRequest).parse(
+                {**body, "stream": stream, "stream_options": stream_options})
+        assert info.value.param == param
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
+    """vLLM's rule: max_completion_tokens when given, else the deprecated max_tokens."""
+    def max_tokens(**fields: object) -> int | None:
+        return ChatRequest.parse({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                  **fields}).options.max_tokens
+
+    assert max_tokens(max_completion_tokens=5, max_tokens=9) == 5
+    assert max_tokens(max_completion_tokens=None, max_tokens=9) == 9
+    assert max_tokens(max_tokens=9) == 9
+    assert max_tokens(max_completion_tokens=5) == 5
+    with pytest.raises(BadRequest) as info:
+        max_tokens(max_completion_tokens=0)
+    assert info.value.param == "max_completion_tokens"
+
+
+def test_completions_ignore_max_completion_tokens_as_vllm_does() -> None:
+    # vLLM's CompletionRequest has no such field: it is ignored there, and here (named in the log).
+    req = CompletionRequest.parse({"model": "m", "prompt": "x", "max_completion_tokens": 5})
+    assert req.options.max_tokens == 16 and req.ignored == ("max_completion_tokens",)
+
+
+def test_stop_null_is_no_stop_and_ignore_eos_reaches_the_worker() -> None:
+    for req in (CompletionRequest.parse({"model": "m", "prompt": "x", "stop": None,
+                                         "ignore_eos": True}),
+                ChatRequest.parse({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                   "stop": None, "ignore_eos": True})):
+        assert req.options.stop == () and req.options.ignore_eos
+        assert req.options.sampling(max_tokens=4).ignore_eos
+    assert not CompletionRequest.parse({"model": "m", "prompt": "x"}).options.sampling(4).ignore_eos
+    with pytest.raises(BadRequest) as info:
+        CompletionRequest.parse({"model": "m", "prompt": "x", "ignore_eos": "true"})
+    assert info.value.param == "ignore_eos"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # GuideLLM 0.8.1, /v1/completions and /v1/chat/completions, synthetic data of fixed
+        # lengths (its code also sets "stop": null, which is not on the wire)
+        {"model": "m", "stream": True, "stream_options": CONTINUOUS_USAGE, "max_tokens": 8,
+         "ignore_eos": True, "prompt": "hello"},
+        {"model": "m", "stream": True, "stream_options": CONTINUOUS_USAGE,
+         "max_completion_tokens": 8, "ignore_eos": True,
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]},
+        # vllm bench serve 0.32 (the openai and openai-chat backends, --ignore-eos)
+        {"model": "m", "prompt": "hello", "repetition_penalty": 1.0, "max_tokens": 8,
+         "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+         "ignore_eos": True},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+         "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True},
+         "ignore_eos": True},
+        # AIPerf 0.13.0 (chat with --per-chunk-usage, completions; --extra-inputs ignore_eos:true)
+        {"messages": [{"role": "user", "content": "hello"}], "model": "m", "stream": True,
+         "max_completion_tokens": 8, "ignore_eos": True, "stream_options": CONTINUOUS_USAGE},
+        {"prompt": "hello", "model": "m", "stream": True, "max_tokens": 8, "ignore_eos": True,
+         "stream_options": {"include_usage": True}},
+    ],
+)
+def test_load_generator_bodies_parse_with_nothing_ignored(body: dict) -> None:
+    req = (ChatRequest if "messages" in body else CompletionRequest).parse(body)
+    assert req.ignored == () and req.options.max_tokens == 8 and req.options.stream
+    assert req.options.ignore_eos and req.options.include_usage
+
+
+def _sse_objects(text: str) -> list[dict]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_continuous_usage_is_in_every_streamed_chunk(tokenizer_dir, tokenizer) -> None:
+    """vLLM's continuous_usage_stats: every chunk of choice i carries its prompt's tokens and
+    the tokens choice i generated so far (a chat's role chunk: 0); the last chunk, with empty
+    choices, has the whole request's usage. Without the option no chunk but that one has it."""
+    import httpx
+
+    from tests.router.test_app import _fake, _router, _run
+
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        answer = len(fake.script or [])
+        async with _router(tokenizer_dir, [fake]) as url, httpx.AsyncClient(base_url=url) as http:
+            prompts = ["Hello world!", "What is the capital of France?"]
+            lens = [len(tokenizer.encode(p)) for p in prompts]
+            r = await http.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 50, "stream": True,
+                "stop": None, "ignore_eos": True, "stream_options": CONTINUOUS_USAGE})
+            chunks = _sse_objects(r.text)
+            *deltas, last = chunks
+            assert last["choices"] == [] and last["usage"]["prompt_tokens"] == sum(lens)
+            assert last["usage"]["completion_tokens"] == 4 * answer
+            seen = {i: 0 for i in range(4)}
+            for c in deltas:
+                (choice,) = c["choices"]
+                i, usage = choice["index"], c["usage"]
+                assert usage["completion_tokens"] >= seen[i]       # so far: never less
+                seen[i] = usage["completion_tokens"]
+                assert usage["prompt_tokens"] == lens[i // 2]
+                assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+                if choice["finish_reason"] is not None:
+                    assert usage["completion_tokens"] == answer
+            assert seen == {i: answer for i in range(4)}
+
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            r = await http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": messages, "max_completion_tokens": 5,
+                "stream": True, "stream_options": CONTINUOUS_USAGE})
+            role, *deltas, last = _sse_objects(r.text)
+            n_prompt = len(tokenizer.encode_chat(messages))
+            assert role["choices"][0]["delta"]["role"] == "assistant"
+            assert role["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0,
+                                     "total_tokens": n_prompt}
+            assert deltas and all("usage" in c for c in deltas)
+            assert deltas[-1]["choices"][0]["finish_reason"] == "length"
+            assert deltas[-1]["usage"]["completion_tokens"] == 5
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+
+            # include_usage alone: only the last chunk has usage (and it is OpenAI's shape)
+            r = await http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": messages, "max_tokens": 5, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+            *rest, last = _sse_objects(r.text)
+            assert not any("usage" in c for c in rest) and last["usage"]["completion_tokens"] == 5
+            for c in (role, *deltas, last):
+                chat_types.ChatCompletionChunk.model_validate(c)
+        await fake.stop()
+
+    _run(body)
+
+
+def test_tokenize_and_detokenize_as_vllm(tokenizer_dir, tokenizer) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize:
+    ``vllm bench serve`` checks its prompts against the server's tokenizer with them."""
+    import httpx
+
+    from tests.router.test_app import _fake, _router, _run
+
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        async with _router(tokenizer_dir, [fake]) as url, httpx.AsyncClient(base_url=url) as http:
+            text = "What is the capital of France?"
+            r = await http.post("/tokenize", json={"model": "tiny", "prompt": text,
+                                                   "add_special_tokens": False})
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert r.status_code == 200
+            assert r.json() == {"count": len(ids), "max_model_len": 256, "tokens": ids}
+            r = await http.post("/tokenize", json={"prompt": text, "return_token_strs": True})
+            assert r.json()["tokens"] == tokenizer.encode(text)     # special tokens by default
+            assert r.json()["token_strs"] == [tokenizer.id_to_token(t) for t in r.json()["tokens"]]
+            messages = [{"role": "user", "content": text}]
+            r = await http.post("/tokenize", json={"model": "tiny", "messages": messages})
+            assert r.json()["tokens"] == tokenizer.encode_chat(messages)
+            r = await http.post("/detokenize", json={"model": "tiny", "tokens": ids})
+            assert r.status_code == 200 and r.json() == {"prompt": text}
+
+            for path, bad, param in [
+                ("/tokenize", {"model": "tiny"}, None),
+                ("/tokenize", {"prompt": "x", "messages": messages}, None),
+                ("/tokenize", {"prompt": 5}, "prompt"),
+                ("/tokenize", {"messages": messages, "continue_final_message": True},
+                 "continue_final_message"),
+                ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+                ("/detokenize", {"tokens": [tokenizer.vocab_size]}, "tokens"),
+            ]:
+                r = await http.post(path, json=bad)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad)
+            r = await http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"})
+            assert r.status_code == 404
+        await fake.stop()
+
+    _run(body)
