@@ -81,6 +81,7 @@ if [ "${SKIP_INTEGRATIONS:-0}" != 1 ]; then
     bash scripts/setup_lmcache.sh
     bash scripts/setup_sglang.sh
     bash scripts/setup_vllm.sh
+    bash scripts/setup_loadgen.sh
 fi
 
 if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then
