@@ -1,126 +1,111 @@
-"""The store as vLLM's KV connector, with the real vLLM (``.venv-vllm``, vLLM's CPU backend) on
-the default model: two instances in separate processes share one real daemon.
+"""The store as vLLM's KV connector, with the real vLLM on the default model: the session's two
+vLLM servers (``vllm_pd``: a producer and a consumer in separate processes, one store).
 
-One scenario, in the order a fleet meets it (each vLLM start costs most of a minute here):
-instance A computes two ~2k-token prompts (saving their blocks) and generates them again with
-device prefix-cache hits, the reference; instance B, started beside it, loads every full block
-of both from the store and generates exactly the reference. B, a decode given a prefill's
-``kv_transfer_params``, waits for blocks that A stores only later instead of recomputing them.
-Then the daemon is killed: B still serves a new prompt, correctly. Every text is also checked
-against transformers (the project's oracle: a divergence only at a near-tie, counted).
+One scenario, in the order a fleet meets it: the producer computes two ~2k-token prompts
+(saving their blocks) and generates them again with device prefix-cache hits, the reference;
+the consumer, which never saw them, loads every full block of both from the store (vLLM's own
+counters and the connector's) and generates exactly the reference. The consumer, handed a
+prefill's ``kv_transfer_params`` before the producer computed the prompt, waits for the blocks
+instead of recomputing them. Then the store daemon is killed: the consumer serves a new prompt
+all the same, and once the daemon is back the connector finds it again. Every text is also
+checked against transformers (the project's oracle: a divergence only at a near-tie, counted).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Iterator
+import threading
+import time
+from typing import Any
 
+import httpx
 import pytest
 
-from kvstore.client.node import Client
-from benchmarks.vllm_driver import PYTHON, Instance
-from tests.kvstore.conftest import DaemonFactory
+from tests.integrations.conftest import ROOT, VllmPD, VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-SECRET = "vllm-test-secret"
-BLOCK = 32
 MAX_TOKENS = 12
 
 
-@pytest.fixture
-def instances(tmp_path: Path) -> Iterator[Any]:
-    if not PYTHON.exists():
-        pytest.skip("the vLLM environment is not built: bash scripts/setup_vllm.sh")
-    started: list[Instance] = []
-
-    def start(**cfg: Any) -> Instance:
-        started.append(Instance(tmp_path / f"vllm{len(started)}.log", max_tokens=MAX_TOKENS, **cfg))
-        return started[-1]
-
-    try:
-        yield start
-    finally:
-        for i in started:
-            i.close()
+def _prompts(pd: VllmPD) -> list[list[int]]:
+    """Four prompts of 1,900-2,000 tokens cut from this repository's docs (none a block multiple)."""
+    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids
+    return [ids[9000 + i * 2100:9000 + i * 2100 + 1900 + 17 * i] for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
-    from engine.model.convert import ensure_default_model
-
-    return ensure_default_model(progress=False)
-
-
-def _prompts(model_dir: Path) -> list[list[int]]:
-    """Four prompts of 2,000-2,100 tokens cut from this repository's docs (none a block multiple)."""
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(
-        (ROOT / "docs" / "architecture.md").read_text()).ids
-    return [ids[i * 2100:i * 2100 + 2000 + 17 * i] for i in range(4)]
+def _generate(pd: VllmPD, server: VllmServer, prompt: list[int], **extra: Any) -> list[int]:
+    resp = httpx.post(server.url + "/v1/completions", headers=pd.headers, timeout=600, json={
+        "model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra})
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["choices"][0]["token_ids"])
 
 
-def _hits(address: str) -> int:
-    with Client(address, auth_token=SECRET) as c:
-        return int(c.stats()["store"]["host"]["hits"])
+def _counts(server: VllmServer) -> dict[str, float]:
+    return {**server.prompt_tokens_by_source(),
+            "loaded_blocks": server.metric("vllm:kvstore_loaded_blocks_total")}
 
 
-def _check_oracle(model_dir: Path, prompts: list[list[int]], tokens: list[list[int]]) -> int:
+def _grew(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _check_oracle(pd: VllmPD, prompts: list[list[int]], tokens: list[list[int]]) -> int:
     from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 
     near_ties = 0
     for p, t in zip(prompts, tokens):
-        theirs, margins = hf_greedy(model_dir, p, MAX_TOKENS)
+        theirs, margins = hf_greedy(pd.model_dir, p, MAX_TOKENS)
         near_ties += assert_same_greedy(t, theirs, margins)
     return near_ties
 
 
-def test_two_vllm_instances_share_blocks_through_the_store(instances, smollm2_dir, tmp_path) -> None:
-    factory = DaemonFactory(tmp_path / "daemons")
-    try:
-        daemon = factory(memory="1G", env={"KVCACHE_CLUSTER_SECRET": SECRET})
-        secret = tmp_path / "secret"
-        secret.write_text(SECRET)
-        cfg = {"model": str(smollm2_dir), "address": daemon.address, "secret_file": str(secret),
-               "block_size": BLOCK, "timeout": 2.0, "handoff_wait_s": 120.0}
-        p = _prompts(smollm2_dir)
-        a, b = instances(**cfg), instances(**cfg)  # both start at once
-        a.ready()
-        cold = a.generate(p[:2])
-        device_hit = a.generate(p[:2])
-        assert device_hit["counters"]["local_cache_hit"] >= sum((len(x) - 1) // BLOCK * BLOCK for x in p[:2])
-        assert device_hit["tokens"] == cold["tokens"]
+def test_two_vllm_instances_share_blocks_through_the_store(vllm_pd: VllmPD) -> None:
+    pd, bs = vllm_pd, vllm_pd.block_size
+    p = _prompts(pd)
+    cold = [_generate(pd, pd.producer, x) for x in p[:2]]
+    hits0 = _counts(pd.producer)
+    device_hit = [_generate(pd, pd.producer, x) for x in p[:2]]
+    assert _grew(hits0, _counts(pd.producer), "local_cache_hit") >= sum((len(x) - 1) // bs * bs for x in p[:2])
+    assert device_hit == cold
 
-        # B loads every full block of both prompts from the store and generates the reference.
-        b.ready()
-        before = _hits(daemon.address)
-        hit = b.generate(p[:2])
-        full = sum((len(x) - 1) // BLOCK for x in p[:2])
-        assert _hits(daemon.address) - before >= full
-        assert hit["counters"]["external_kv_transfer"] == full * BLOCK
-        assert hit["counters"]["kvstore_loaded_blocks"] == full  # the connector's own counter
-        assert hit["counters"]["local_compute"] == sum(len(x) for x in p[:2]) - full * BLOCK
-        assert hit["tokens"] == device_hit["tokens"]
+    # The consumer loads every full block of both from the store and generates the reference.
+    before = _counts(pd.consumer)
+    hit = [_generate(pd, pd.consumer, x) for x in p[:2]]
+    after = _counts(pd.consumer)
+    full = sum((len(x) - 1) // bs for x in p[:2])
+    assert _grew(before, after, "external_kv_transfer") == full * bs
+    assert _grew(before, after, "local_compute") == sum(len(x) for x in p[:2]) - full * bs
+    assert _grew(before, after, "loaded_blocks") == full  # the connector's own counter
+    assert hit == device_hit
 
-        # A decode handed a prefill's blocks waits for them (the prefill stores them late).
-        handed = {"kvstore": {"blocks": len(p[2]) // BLOCK}}
-        b.send([p[2]], kv_transfer_params=handed)
-        prefill = a.generate([p[2]])
-        decode = b.result()
-        assert decode["counters"]["local_compute"] - hit["counters"]["local_compute"] < BLOCK
-        assert decode["tokens"] == prefill["tokens"]
+    # A decode handed a prefill's blocks waits for them (the prefill computes them only later).
+    handed = {"kvstore": {"blocks": len(p[2]) // bs}}
+    result: dict[str, list[int]] = {}
+    decode = threading.Thread(target=lambda: result.update(
+        tokens=_generate(pd, pd.consumer, p[2], kv_transfer_params=handed)))
+    before = _counts(pd.consumer)
+    decode.start()
+    time.sleep(1.0)   # the decode is waiting in its load before the prefill starts
+    prefill = _generate(pd, pd.producer, p[2])
+    decode.join(300)
+    after = _counts(pd.consumer)
+    assert _grew(before, after, "local_compute") < bs
+    assert result["tokens"] == prefill
 
-        # A dead store is a miss: B serves a new prompt all the same.
-        daemon.proc.kill()
-        daemon.proc.wait()
-        alone = b.generate([p[3]])
-        assert alone["counters"]["local_compute"] - decode["counters"]["local_compute"] == len(p[3])
+    # A dead store is a miss: the consumer serves a new prompt all the same.
+    store = pd.cluster.child("store")
+    store.proc.kill()  # type: ignore[union-attr]
+    store.proc.wait()  # type: ignore[union-attr]
+    before = _counts(pd.consumer)
+    alone = _generate(pd, pd.consumer, p[3])
+    assert _grew(before, _counts(pd.consumer), "local_compute") == len(p[3])
+    pd.cluster.respawn(store)   # back for the tests after this one
+    deadline = time.monotonic() + 60
+    while not pd.cluster.is_ready(store):
+        assert time.monotonic() < deadline, "the store did not come back"
+        time.sleep(0.2)
 
-        near_ties = _check_oracle(smollm2_dir, [*p[:3], p[3]], [*hit["tokens"], *decode["tokens"], *alone["tokens"]])
-        print(f"vLLM + kvstore: 4 prompts x {MAX_TOKENS} tokens, near-tie divergences from transformers: {near_ties}")
-        assert near_ties <= 1
-    finally:
-        factory.close()
+    near_ties = _check_oracle(pd, p, [*hit, result["tokens"], alone])
+    print(f"vLLM + kvstore: 4 prompts x {MAX_TOKENS} tokens, near-tie divergences from transformers: {near_ties}")
+    assert near_ties <= 1

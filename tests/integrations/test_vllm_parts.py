@@ -191,8 +191,16 @@ def test_a_decode_waits_for_a_prefills_blocks_instead_of_recomputing_them(store)
     src, dst = cpu_caches(seed=3), {k: torch.zeros_like(v) for k, v in cpu_caches().items()}
     keys = tuple(block_keys(NS, list(range(7, 7 + 3 * 32)), 32))
     prefill, decode = transfers(store, src), transfers(store, dst)
+    other = tuple(block_keys(NS, list(range(900, 900 + 32)), 32))
     try:
+        prefill.save(SaveSpec("o", other, (6,)))
+        wait_idle(prefill)
         decode.load(LoadSpec("d", keys, (0, 1, 2), wait_s=10.0))
+        decode.load(LoadSpec("x", other, (7,)))  # behind the waiting one: not held up by it
+        deadline = time.monotonic() + 5
+        while "x" not in decode.poll()[1]:
+            assert time.monotonic() < deadline, "a waiting load held up another"
+            time.sleep(0.01)
         timer = threading.Timer(0.5, lambda: prefill.save(SaveSpec("p", keys, (3, 4, 5))))
         timer.start()
         wait_idle(decode, 15)
@@ -200,7 +208,7 @@ def test_a_decode_waits_for_a_prefills_blocks_instead_of_recomputing_them(store)
         _, recved, failed = decode.poll()
         assert recved == {"d"} and not failed
         stats = decode.snapshot()
-        assert stats.loaded_blocks == 3 and stats.waited_s >= 0.4
+        assert stats.loaded_blocks == 3 + 1 and stats.waited_s >= 0.4
         for name in src:
             assert torch.equal(dst[name][2], src[name][5])
     finally:

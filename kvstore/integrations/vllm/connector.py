@@ -11,7 +11,7 @@ configuration with nothing in vLLM patched (docs/integrations.md shows it as the
 a block the store lost between lookup and load is recomputed, never a failed request.
 ``kv_connector_extra_config``: ``address`` or ``etcd`` (+ ``cluster``), ``secret_file``,
 ``transport``, ``timeout`` (``kvstore.integrations.store_link``), ``handoff_wait_s`` (how long
-a decode waits for a prefill's blocks, default 10), ``namespace`` (an extra string in the
+a decode waits for a prefill's blocks, default 30), ``namespace`` (an extra string in the
 namespace facts; two deployments that must never share blocks set different ones),
 ``register`` (the instance in the cluster's etcd, for the router:
 ``kvstore.integrations.vllm.registration``).
@@ -88,7 +88,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.num_blocks = kv_cache_config.num_blocks
-        self.handoff_wait_s = float(extra.get("handoff_wait_s", 10.0))
+        self.handoff_wait_s = float(extra.get("handoff_wait_s", 30.0))
         self.scheduler_side: SchedulerSide | None = None
         self.transfers: Transfers | None = None
         self.registration: InstanceRegistration | None = None

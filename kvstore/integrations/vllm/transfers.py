@@ -1,8 +1,9 @@
 """The worker side's data path: loads into and saves out of vLLM's caches, each on a thread of
 its own, so the step loop only hands work over and collects what finished.
 
-- ``load(LoadSpec)`` queues a load. The load thread (for a P/D decode, after waiting up to
-  ``wait_s`` for the blocks to appear) gets the blocks through ``kvstore.client.scatter``: each
+- ``load(LoadSpec)`` queues a load. The load thread (for a P/D decode, once the store holds
+  every block or ``wait_s`` has passed; such a load waits aside, holding up no other) gets
+  the blocks through ``kvstore.client.scatter``: each
   is verified where it lies (the daemon's arena on shared memory, a receive row over TCP) and
   copied straight into its place in a CPU cache, or into a host ring that is then copied into a
   CUDA cache (``BlockLayout.scatter``). Only the leading run of verified blocks counts; the
@@ -152,16 +153,49 @@ class Transfers:
     # --- load thread -----------------------------------------------------------------------
 
     def _load_loop(self) -> None:
-        while (spec := self._loads.get()) is not None:
+        """Loads in arrival order; a decode's load whose blocks are not all stored yet waits
+        aside (checked every ``_POLL_S``, until its ``wait_s`` ends), so it holds up no other."""
+        waiting: list[tuple[float, float, LoadSpec]] = []   # (since, deadline, spec)
+        while True:
             try:
-                good = self._load(spec)
-            except Exception:  # never let one load stop the thread: the blocks are recomputed
-                log.exception("kvstore: load of %d blocks failed", len(spec.keys))
-                good = 0
-            with self._lock:
-                self._failed_ids.update(spec.block_ids[good:])
-                self._recved.add(spec.req_id)
-            self._done(spec.req_id)
+                spec = self._loads.get(timeout=_POLL_S if waiting else None)
+            except queue.Empty:
+                spec = False
+            if spec is None:
+                return
+            now = time.monotonic()
+            if spec and spec.wait_s > 0:
+                waiting.append((now, now + spec.wait_s, spec))
+            elif spec:
+                self._run_load(spec)
+            for item in list(waiting):
+                since, deadline, w = item
+                if now >= deadline or self._stored(w):
+                    waiting.remove(item)
+                    self._count(waited_s=time.monotonic() - since)
+                    self._run_load(w)
+
+    def _stored(self, spec: LoadSpec) -> bool:
+        """Whether the store holds every block of ``spec`` (False while it cannot be asked)."""
+        client = self._load_link.get()
+        if client is None:
+            return False
+        try:
+            return client.prefix_len(list(spec.keys)) >= len(spec.keys)
+        except KVStoreError:
+            self._load_link.reset()
+            return False
+
+    def _run_load(self, spec: LoadSpec) -> None:
+        try:
+            good = self._load(spec)
+        except Exception:  # never let one load stop the thread: the blocks are recomputed
+            log.exception("kvstore: load of %d blocks failed", len(spec.keys))
+            good = 0
+        with self._lock:
+            self._failed_ids.update(spec.block_ids[good:])
+            self._recved.add(spec.req_id)
+        self._done(spec.req_id)
 
     def _load(self, spec: LoadSpec) -> int:
         n = len(spec.keys)
@@ -171,8 +205,6 @@ class Transfers:
             self._count(failed_blocks=n)
             return 0
         try:
-            if spec.wait_s > 0:
-                self._wait_for(client, spec)
             if self._kernel is not None:
                 good, corrupt = self._get_scatter(client, spec)
             else:
@@ -185,14 +217,6 @@ class Transfers:
         self._count(loads=1, loaded_blocks=good, loaded_bytes=good * self.layout.payload_bytes,
                     load_s=time.perf_counter() - t0, failed_blocks=n - good, corrupt_blocks=corrupt)
         return good
-
-    def _wait_for(self, client: Any, spec: LoadSpec) -> None:
-        """A decode after a prefill elsewhere: wait until the prefill's blocks are stored."""
-        t0 = time.monotonic()
-        deadline = t0 + spec.wait_s
-        while client.prefix_len(list(spec.keys)) < len(spec.keys) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        self._count(waited_s=time.monotonic() - t0)
 
     def _get_scatter(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
         assert self._kernel is not None
