@@ -59,6 +59,7 @@ from kvstore.coord.etcd import EtcdClient
 from kvstore.daemon.config import parse_size
 from kvstore.tls import TLSConfig
 from router.cluster.child import ChildProcess, free_port, parse_cpus, port_taken
+from router.cluster.vllm_worker import VllmWorker
 
 __all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
            "resolve_model_dir", "parse_cpus", "DEFAULT_MODEL_NAME", "SECRET_FILE_NAME",
@@ -68,11 +69,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SECRET_FILE_NAME = "cluster-secret"     # in the log directory, 0600
 STATE_FILE_NAME = "cluster.json"        # in the log directory: what runs now
 _WORKER_KINDS = frozenset({"prefill", "decode", "colocated"})
-
-
-def default_vllm_python() -> Path:
-    """The repository's ``.venv-vllm`` (``scripts/setup_vllm.sh``), where ``--engine vllm`` runs."""
-    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 class LaunchError(RuntimeError):
@@ -406,44 +402,18 @@ class LocalCluster:
         return child
 
     def _spawn_vllm(self, name: str, role: str) -> ChildProcess:
-        """A vLLM OpenAI server with the store's connector (``kvstore.integrations.vllm``), which
-        registers it in etcd once it serves and prints the ready line waited for here."""
+        """A vLLM OpenAI server with the store's connector (``router.cluster.vllm_worker``)."""
         spec = self.spec
-        assert self.model_dir is not None
-        assert self._tmp is not None
-        port = free_port()
-        threads = str(spec.threads_per_worker)
-        url = f"http://127.0.0.1:{port}"
-        worker_id = f"{name}-{os.urandom(4).hex()}"
-        # vLLM's KV events carry prompts' token ids: unix sockets in the cluster's private
-        # directory, not TCP ports any local user could subscribe to (vLLM binds ipc:// ones).
-        events, replay = (f"ipc://{self._tmp}/{worker_id}.{what}" for what in ("events", "replay"))
-        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": "kv_both"}[role]
-        connector = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm.connector",
-            "kv_role": kv_role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "etcd": self._etcd(), "cluster": spec.cluster,
-                "register": {"etcd": self._etcd(), "cluster": spec.cluster, "url": url, "role": role,
-                             "worker_id": worker_id, "kv_events": events, "kv_events_replay": replay}}}
-        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": events, "replay_endpoint": replay}
+        assert self.model_dir is not None and self._tmp is not None
+        w = VllmWorker(name, role, free_port(), self.model_dir, self._etcd(), spec.cluster, self._tmp,
+                       python=spec.vllm_python, block_size=spec.vllm_block_size,
+                       kv_cache_bytes=parse_size(spec.vllm_kv_cache), threads=spec.threads_per_worker,
+                       extra_args=spec.worker_args)
+        argv, env = w.command()
         cpus_text = {"prefill": spec.prefill_cpus, "decode": spec.decode_cpus,
                      "colocated": spec.colocated_cpus}[role]
-        argv = [spec.vllm_python or str(default_vllm_python()), "-m", "kvstore.integrations.vllm.serve",
-                "--model", str(self.model_dir), "--served-model-name", self.model_dir.name,
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                "--block-size", str(spec.vllm_block_size), "--enforce-eager",
-                "--enable-prompt-tokens-details", "--enable-per-request-metrics",
-                "--kv-cache-memory-bytes", str(parse_size(spec.vllm_kv_cache)),
-                "--kv-transfer-config", json.dumps(connector), "--kv-events-config", json.dumps(kv_events),
-                *spec.worker_args]
-        return self._spawn(name, role, argv, url,
-                           env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"},
-                           cpus=parse_cpus(cpus_text) if cpus_text else None,
-                           ready_pattern=rf"kvstore-vllm ready address={re.escape(url)} worker_id=(?P<id>\S+)")
+        return self._spawn(name, role, argv, w.url, env=env, cpus=parse_cpus(cpus_text) if cpus_text else None,
+                           ready_pattern=w.ready_pattern)
 
     def start_router(self, *, name: str = "router", port: int | None = None,
                      mode: str | None = None, policy: str | None = None,

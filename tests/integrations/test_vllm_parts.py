@@ -330,3 +330,27 @@ def test_an_instance_registers_once_its_server_is_healthy_and_leaves_on_close(et
         RegisterSettings.from_mapping({"etcd": etcd, "url": url, "role": "both"})
     with pytest.raises(ValueError, match="needs url"):
         RegisterSettings.from_mapping({"etcd": etcd, "role": "decode"})
+
+
+def test_kvrouter_up_runs_each_vllm_worker_with_the_connector_in_its_role(tmp_path) -> None:
+    import json as jsonlib
+
+    from router.cluster.vllm_worker import VllmWorker
+
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"), ("colocated", "kv_both")):
+        w = VllmWorker(f"{role}-0", role, 8123, tmp_path / "SmolLM2", "http://127.0.0.1:2379", "c1", str(tmp_path),
+                       python="/venv/bin/python", extra_args=("--max-num-seqs", "8"))
+        argv, env = w.command()
+        assert argv[:3] == ["/venv/bin/python", "-m", "kvstore.integrations.vllm.serve"]
+        assert argv[-2:] == ["--max-num-seqs", "8"] and "--enforce-eager" in argv
+        connector = jsonlib.loads(argv[argv.index("--kv-transfer-config") + 1])
+        events = jsonlib.loads(argv[argv.index("--kv-events-config") + 1])
+        assert connector["kv_role"] == kv_role and connector["kv_load_failure_policy"] == "recompute"
+        reg = connector["kv_connector_extra_config"]["register"]
+        assert (reg["url"], reg["role"], reg["worker_id"]) == ("http://127.0.0.1:8123", role, w.worker_id)
+        assert events["endpoint"] == reg["kv_events"] == f"ipc://{tmp_path}/{w.worker_id}.events"
+        assert "--api-key" not in argv  # the secret travels as a file path (serve.py), never in argv
+        assert env["OMP_NUM_THREADS"] == "1"
+        import re
+
+        assert re.search(w.ready_pattern, f"kvstore-vllm ready address={w.url} worker_id={w.worker_id}")
