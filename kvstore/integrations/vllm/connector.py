@@ -14,7 +14,8 @@ a block the store lost between lookup and load is recomputed, never a failed req
 a decode waits for a prefill's blocks, default 30), ``namespace`` (an extra string in the
 namespace facts; two deployments that must never share blocks set different ones),
 ``register`` (the instance in the cluster's etcd, for the router:
-``kvstore.integrations.vllm.registration``).
+``kvstore.integrations.vllm.registration``), ``load_threads`` (threads a shared-memory load
+verifies and copies on, default 2).
 
 The scheduler side is ``kvstore.integrations.vllm.scheduler`` and the worker side
 ``kvstore.integrations.vllm.transfers`` over ``kvstore.integrations.vllm.layout``; this class
@@ -89,6 +90,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.num_blocks = kv_cache_config.num_blocks
         self.handoff_wait_s = float(extra.get("handoff_wait_s", 30.0))
+        self.load_threads = int(extra.get("load_threads", 2))
+        if self.load_threads < 1:
+            raise ValueError(f"load_threads in {where} must be at least 1, got {self.load_threads}")
         self.scheduler_side: SchedulerSide | None = None
         self.transfers: Transfers | None = None
         self.registration: InstanceRegistration | None = None
@@ -132,7 +136,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = BlockLayout.from_kv_caches(kv_caches, self.num_blocks)
         dtype = str(layout.dtype).removeprefix("torch.")
-        self.transfers = Transfers(StoreLink(self.settings), StoreLink(self.settings), layout, dtype)
+        self.transfers = Transfers(StoreLink(self.settings), StoreLink(self.settings), layout, dtype,
+                                   load_threads=self.load_threads)
         log.info("kvstore connector (worker): %d layers' caches, %d chunks of %d bytes a block",
                  len(kv_caches), len(layout.views), layout.chunk_bytes)
 

@@ -77,11 +77,12 @@ class _Save:
 
 class Transfers:
     def __init__(self, load_link: StoreLink, save_link: StoreLink, layout: BlockLayout,
-                 dtype_name: str, *, load_path: str = "auto") -> None:
+                 dtype_name: str, *, load_path: str = "auto", load_threads: int = 1) -> None:
         self.layout, self.dtype_name = layout, dtype_name
         self.stats = TransferStats()
         self._load_link, self._save_link = load_link, save_link
         self._kernel = scatter_kernel() if load_path != "python" else None
+        self._load_threads = load_threads   # threads a shared-memory load verifies and copies on
         self._direct = (not layout.is_cuda) if load_path == "auto" else load_path == "direct"
         self._template = codec.header_template(dtype_name, layout.block_shape)
         self._encoded = codec.HEADER_SIZE + layout.payload_bytes
@@ -230,7 +231,7 @@ class Transfers:
                                pin_memory=self.layout.is_cuda)
             slots, offsets, chunk = ring_slots(ring.data_ptr(), self.layout.payload_bytes, n)
         load = ScatterLoad(self._kernel, self._template, list(spec.keys), slots, offsets, chunk,
-                           staging)
+                           staging, threads=self._load_threads)
         found = client.get(list(spec.keys), list(load.sinks))
         good, bad = load.leading_run(found)
         if ring is not None:
