@@ -6,9 +6,9 @@ One scenario, in the order a fleet meets it: the producer computes two ~2k-token
 the consumer, which never saw them, loads every full block of both from the store (vLLM's own
 counters and the connector's) and generates exactly the reference. The consumer, handed a
 prefill's ``kv_transfer_params`` before the producer computed the prompt, waits for the blocks
-instead of recomputing them. Then the store daemon is killed: the consumer serves a new prompt
-all the same, and once the daemon is back the connector finds it again. Every text is also
-checked against transformers (the project's oracle: a divergence only at a near-tie, counted).
+instead of recomputing them. Every text is also checked against transformers (the project's
+oracle: a divergence only at a near-tie, counted). The store killed under the instances:
+``test_vllm_router.py``'s last test (it leaves the session's cluster without a store).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ MAX_TOKENS = 12
 
 
 def _prompts(pd: VllmPD) -> list[list[int]]:
-    """Four prompts of 1,900-2,000 tokens cut from this repository's docs (none a block multiple)."""
+    """Three prompts of 1,900-1,950 tokens cut from this repository's docs (none a block multiple)."""
     ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids
-    return [ids[9000 + i * 2100:9000 + i * 2100 + 1900 + 17 * i] for i in range(4)]
+    return [ids[9000 + i * 2100:9000 + i * 2100 + 1900 + 17 * i] for i in range(3)]
 
 
 def _generate(pd: VllmPD, server: VllmServer, prompt: list[int], **extra: Any) -> list[int]:
@@ -93,19 +93,6 @@ def test_two_vllm_instances_share_blocks_through_the_store(vllm_pd: VllmPD) -> N
     assert _grew(before, after, "local_compute") < bs
     assert result["tokens"] == prefill
 
-    # A dead store is a miss: the consumer serves a new prompt all the same.
-    store = pd.cluster.child("store")
-    store.proc.kill()  # type: ignore[union-attr]
-    store.proc.wait()  # type: ignore[union-attr]
-    before = _counts(pd.consumer)
-    alone = _generate(pd, pd.consumer, p[3])
-    assert _grew(before, _counts(pd.consumer), "local_compute") == len(p[3])
-    pd.cluster.respawn(store)   # back for the tests after this one
-    deadline = time.monotonic() + 60
-    while not pd.cluster.is_ready(store):
-        assert time.monotonic() < deadline, "the store did not come back"
-        time.sleep(0.2)
-
-    near_ties = _check_oracle(pd, p, [*hit, result["tokens"], alone])
-    print(f"vLLM + kvstore: 4 prompts x {MAX_TOKENS} tokens, near-tie divergences from transformers: {near_ties}")
+    near_ties = _check_oracle(pd, p[:3], [*hit, result["tokens"]])
+    print(f"vLLM + kvstore: 3 prompts x {MAX_TOKENS} tokens, near-tie divergences from transformers: {near_ties}")
     assert near_ties <= 1

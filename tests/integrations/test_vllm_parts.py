@@ -221,7 +221,7 @@ def test_a_decode_waits_for_a_prefills_blocks_instead_of_recomputing_them(store)
 
 def _request(rid: str, prompt: list[int], **kw) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, cache_salt=kw.get("salt"),
-                           lora_request=None, kv_transfer_params=kw.get("params"))
+                           lora_request=None, kv_transfer_params=kw.get("params"), num_preemptions=0)
 
 
 def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
@@ -258,6 +258,7 @@ def test_scheduler_plans_chunked_saves_then_a_hit_that_never_includes_the_last_t
     side.allocated(req2, [20, 21, 22, 23], 2 * bs)
     loads, _ = side.build(_output())
     assert [(l.block_ids, l.keys) for l in loads] == [((21, 22), tuple(keys[1:3]))]
+    assert side.matched(req2, 32) == (0, False)  # its load failed: compute, never load forever
     assert side.matched(_request("c", prompt, salt="other tenant"), 0) == (0, False)
 
 
@@ -269,6 +270,10 @@ def test_a_decode_takes_a_prefills_blocks_from_its_params_and_a_dead_store_match
     side.allocated(req, [1, 2, 3, 4], 3 * bs)
     loads, saves = side.build(_output())
     assert [(l.block_ids, l.wait_s) for l in loads] == [((1, 2, 3), 7)] and not saves
+    # Its load failed (vLLM asks again, no preemption between): no second load, it computes.
+    assert side.matched(req, 0) == (0, False)
+    req.num_preemptions = 1   # preempted after a load: the store is asked afresh
+    assert side.matched(req, 0) == (0, False)  # (nothing stored: a miss, not the handoff again)
     assert side.finished(req) == (True, None)  # a consumer hands nothing on
     dead = SchedulerSide(StoreLink(StoreSettings(address="127.0.0.1:9", timeout=0.5)), bytes(NS),
                          bs, load=True, save=True, handoff_wait_s=1)

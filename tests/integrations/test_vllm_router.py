@@ -5,7 +5,8 @@ through the store, the rest decoded on the consumer.
 The text equals what the same vLLM answers with a device prefix-cache hit of the prompt (the
 producer's own cache, asked directly afterwards); the decode instance computes less than one
 block of the prompt (vLLM's own counters) and loads the rest through the connector (its
-counters on vLLM's ``/metrics``); streamed chat works the same way.
+counters on vLLM's ``/metrics``); streamed chat works the same way. Last, the store is killed:
+the instances serve on, computing, with transformers' text.
 """
 
 from __future__ import annotations
@@ -62,3 +63,24 @@ def test_openai_client_through_the_router_prefills_on_one_vllm_and_decodes_on_th
                            json={"model": pd.model, "messages": messages, "max_tokens": MAX_TOKENS,
                                  "temperature": 0}).json()
     assert streamed == reference["choices"][0]["message"]["content"]
+
+
+def test_a_killed_store_is_a_miss_for_the_vllm_instances(vllm_pd: VllmPD) -> None:
+    # The session's last vLLM test: the store stays dead after it.
+    from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
+
+    pd = vllm_pd
+    store = pd.cluster.child("store")
+    assert store.proc is not None
+    store.proc.kill()
+    store.proc.wait()
+    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids[20000:21500]
+    before = pd.consumer.prompt_tokens_by_source()
+    resp = httpx.post(pd.consumer.url + "/v1/completions", headers=pd.headers, timeout=600, json={
+        "model": pd.model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    after = pd.consumer.prompt_tokens_by_source()
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(ids)
+    theirs, margins = hf_greedy(pd.model_dir, ids, MAX_TOKENS)
+    assert assert_same_greedy(list(resp.json()["choices"][0]["token_ids"]), theirs, margins) <= 1

@@ -9,7 +9,10 @@ its block ids as the scheduler hands them out, how far its blocks are saved.
   (vLLM computes it to sample). Loaded asynchronously: the request waits for its KV while the
   others keep running. A decode given a prefill's ``kv_transfer_params`` (``{"kvstore":
   {"blocks": n}}``) takes those blocks as matched without asking and its load waits for them
-  (up to ``handoff_wait_s``): it never recomputes a prefix because it looked too early.
+  (up to ``handoff_wait_s``): it never recomputes a prefix because it looked too early. A
+  request asked about again after its load without a preemption in between had a load fail
+  (a block lost or corrupt): it matches nothing more and computes, so a bad block can never
+  make vLLM reschedule it forever.
 - ``allocated(request, block_ids, num_external_tokens)``: the load's target blocks.
 - ``build(scheduler_output)``: this step's ``LoadSpec``s and ``SaveSpec``s; a save covers the
   prompt's full blocks that this step completes (chunked prefill saves chunk by chunk) and
@@ -27,7 +30,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import KVStoreError
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec, for_rank, request_namespace
 from kvstore.keys import BlockKey, block_keys
@@ -48,6 +50,7 @@ class _Req:
     load: tuple[int, int] = (0, 0)  # (first block, count) matched by the last lookup
     wait_s: float = 0.0
     transfers: bool = False         # a load or save was issued: blocks held until reported
+    loaded_at: int | None = None    # the request's preemption count when its load was issued
 
 
 @dataclass
@@ -87,8 +90,14 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_size
         if start >= usable:
             return 0, False
+        preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+        if r.loaded_at == preemptions:
+            # Asked again without a preemption since its load: the load failed (vLLM reschedules
+            # the request from its first bad block). Computing is the way on: a second load of
+            # the same blocks would fail the same way, again and again.
+            return 0, False
         handed = _handoff_blocks(getattr(request, "kv_transfer_params", None))
-        if handed is not None:
+        if handed is not None and r.loaded_at is None:
             n, r.wait_s = max(0, min(handed, usable) - start), self.handoff_wait_s
             self.stats.handoff_blocks += n
         else:
@@ -102,7 +111,7 @@ class SchedulerSide:
             return 0
         try:
             n = int(client.prefix_len(for_rank(keys, 0, self.tp_size)))
-        except KVStoreError as exc:
+        except Exception as exc:  # a store error, or anything else: a miss, never raised into vLLM
             log.warning("kvstore: lookup failed, a miss: %s", exc)
             self.link.reset()
             self.stats.lookup_errors += 1
@@ -125,6 +134,7 @@ class SchedulerSide:
                                     tuple(block_ids[start:end]), r.wait_s))
         r.saved = max(r.saved, end)
         r.transfers = True
+        r.loaded_at = int(getattr(request, "num_preemptions", 0) or 0)
 
     def build(self, out: Any) -> tuple[list[LoadSpec], list[SaveSpec]]:
         loads, self._loads = self._loads, []

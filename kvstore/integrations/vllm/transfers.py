@@ -183,7 +183,7 @@ class Transfers:
             return False
         try:
             return client.prefix_len(list(spec.keys)) >= len(spec.keys)
-        except KVStoreError:
+        except Exception:  # a store error or anything else: not yet (the load thread lives on)
             self._load_link.reset()
             return False
 
