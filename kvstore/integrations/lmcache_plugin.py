@@ -65,9 +65,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-import kvstore
 from kvstore.errors import KVStoreError
-from kvstore.integrations.lazy_client import LazyClient
+from kvstore.integrations.store_link import StoreLink, StoreSettings
 from kvstore.integrations.lmcache_format import HEADER, decode_header, encode_header, store_key
 from kvstore.net.buffers import Parts, Sink
 
@@ -79,16 +78,11 @@ _WARN_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
-class PluginSettings:
-    """``storage_plugin.<name>.*`` of LMCache's ``extra_config`` (module docstring)."""
+class PluginSettings(StoreSettings):
+    """``storage_plugin.<name>.*`` of LMCache's ``extra_config`` (module docstring): where the
+    store is (``StoreSettings``, which connects), this plugin's name and its copy threads."""
 
     name: str = "kvstore"
-    address: str | None = None
-    etcd: str | None = None
-    cluster: str = "kvstore"
-    transport: str = "auto"
-    secret_file: str | None = None
-    timeout: float = 5.0
     copy_threads: int = 2
 
     @classmethod
@@ -114,42 +108,6 @@ class PluginSettings:
         if s.transport not in ("auto", "tcp"):
             raise ValueError(f"storage_plugin.{name}.transport must be 'auto' or 'tcp'")
         return s
-
-    def connect(self) -> kvstore.StoreClient:
-        token = None
-        if self.secret_file:
-            with open(self.secret_file) as f:
-                token = f.read().strip()
-        if self.etcd is not None:
-            return kvstore.connect(etcd=self.etcd, cluster=self.cluster, auth_token=token,
-                                   timeout=self.timeout)
-        from kvstore.client.node import Client
-
-        assert self.address is not None
-        return Client(self.address, auth_token=token, timeout=self.timeout,
-                      transport="tcp" if self.transport == "tcp" else "auto")
-
-
-class _Link:
-    """A ``LazyClient`` that answers None while the store cannot be reached (one attempt to
-    connect per ``retry_s``)."""
-
-    def __init__(self, settings: PluginSettings, retry_s: float = 1.0) -> None:
-        self._lazy, self._retry_s = LazyClient(settings.connect), retry_s
-        self._next_try = 0.0
-
-    def get(self) -> kvstore.StoreClient | None:
-        if time.monotonic() < self._next_try:
-            return None
-        try:
-            return self._lazy.get()
-        except Exception as exc:  # a store (or etcd) down, a secret file gone: a miss
-            self._next_try = time.monotonic() + self._retry_s
-            log.debug("kvstore unreachable: %s", exc)
-            return None
-
-    def close(self) -> None:
-        self._lazy.close()
 
 
 @dataclass(frozen=True)
@@ -274,7 +232,7 @@ class KVStorePlugin(StoragePluginInterface):
         if local_cpu_backend is None:
             raise ValueError("KVStorePlugin allocates from LMCache's local_cpu_backend; none was given")
         self.settings = PluginSettings.from_config(config)
-        self._reader, self._writer = _Link(self.settings), _Link(self.settings)
+        self._reader, self._writer = StoreLink(self.settings), StoreLink(self.settings)
         self._puts = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lmcache-put")
         self._put_lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
@@ -475,7 +433,7 @@ class KVStorePlugin(StoragePluginInterface):
         self._reader.close()
         self._writer.close()
 
-    def _drop(self, link: _Link, exc: Exception) -> None:
+    def _drop(self, link: StoreLink, exc: Exception) -> None:
         self._warn(f"kvstore at {self.settings.address or self.settings.etcd}: {exc}")
         link.close()
 
