@@ -183,12 +183,17 @@ def plot(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_bench", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--lengths", default="2000,7500", help="prompt lengths in tokens, comma separated (default 2000,7500)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh prompts per length (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default 0)")
     ap.add_argument("--out", type=Path, default=Path("results/vllm_bench"), help="where the record, plot and logs go")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not PYTHON.exists():
         ap.error("the vLLM environment is not built: bash scripts/setup_vllm.sh")

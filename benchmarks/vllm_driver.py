@@ -101,8 +101,18 @@ class Instance:
         self._log.close()
 
 
+def build_parser() -> "argparse.ArgumentParser":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_driver",
+                                description="one vLLM instance with a KV connector, driven over stdin/stdout "
+                                            "(run by .venv-vllm's Python; see the module docstring)")
+    p.add_argument("config", help="the instance's configuration as one JSON object (module docstring)")
+    return p
+
+
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = json.loads(build_parser().parse_args().config)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt

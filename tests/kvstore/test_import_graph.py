@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import grimp
 
-# Modules allowed to import torch: the optional CUDA tier, which only a daemon loads, and the
-# LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors).
+# Modules allowed to import torch: the optional CUDA tier, which only a daemon loads, the
+# LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors), and the vLLM
+# connector's modules that touch vLLM's caches, which only vLLM loads.
 _TORCH_USERS = {"kvstore.node.gpu_tier", "kvstore.integrations.lmcache_plugin",
-                "kvstore.integrations.lmcache_format"}
+                "kvstore.integrations.lmcache_format", "kvstore.integrations.vllm.layout",
+                "kvstore.integrations.vllm.transfers", "kvstore.integrations.vllm.connector"}
 
 
 def test_only_the_gpu_tier_imports_torch() -> None:
