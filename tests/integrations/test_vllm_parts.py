@@ -260,6 +260,14 @@ def test_scheduler_plans_chunked_saves_then_a_hit_that_never_includes_the_last_t
     assert [(l.block_ids, l.keys) for l in loads] == [((21, 22), tuple(keys[1:3]))]
     assert side.matched(req2, 32) == (0, False)  # its load failed: compute, never load forever
     assert side.matched(_request("c", prompt, salt="other tenant"), 0) == (0, False)
+    # A device hit of blocks the store lost (evicted, restarted) is saved again; held ones not.
+    client = store.connect()
+    client.delete([keys[1]])
+    client.close()
+    req3 = _request("d", prompt)
+    side.allocated(req3, [30, 31, 32, 33], 0)
+    _, saves = side.build(_output(new=[("d", [30, 31, 32, 33], 3 * bs)], scheduled={"d": bs}))
+    assert [(s.block_ids, s.keys) for s in saves] == [((31,), (keys[1],)), ((33,), (keys[3],))]
 
 
 def test_a_decode_takes_a_prefills_blocks_from_its_params_and_a_dead_store_matches_nothing(store) -> None:

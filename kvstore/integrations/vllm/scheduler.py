@@ -16,7 +16,8 @@ its block ids as the scheduler hands them out, how far its blocks are saved.
 - ``allocated(request, block_ids, num_external_tokens)``: the load's target blocks.
 - ``build(scheduler_output)``: this step's ``LoadSpec``s and ``SaveSpec``s; a save covers the
   prompt's full blocks that this step completes (chunked prefill saves chunk by chunk) and
-  that were neither device hits nor store hits.
+  that were not store hits, and the device hits the store no longer holds (it evicted them
+  or restarted since: a decode waits for every block its prefill hands on).
 - ``finished(request)``: whether vLLM must hold the request's blocks until the worker reports
   its transfers done (any load or save issued for it: an abort during a load included), and
   the ``kv_transfer_params`` a producer returns for its decode.
@@ -146,8 +147,10 @@ class SchedulerSide:
             if r is None:
                 continue
             r.block_ids = list(new.block_ids[0])
-            if r.saved < 0:  # device hits are not saved again
-                r.saved = new.num_computed_tokens // self.block_size
+            hits = new.num_computed_tokens // self.block_size
+            if r.saved < hits:  # device hits: saved only where the store lost them
+                self._save_missing(new.req_id, r, hits, saves)
+                r.saved = hits
             self._save(new.req_id, r, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], saves)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -164,6 +167,25 @@ class SchedulerSide:
                 r.saved = cached.num_computed_tokens[i] // self.block_size
             self._save(req_id, r, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id], saves)
         return loads, saves
+
+    def _save_missing(self, req_id: str, r: _Req, upto: int, saves: list[SaveSpec]) -> None:
+        """Queue the request's first ``upto`` blocks (vLLM's device hits) that the store does
+        not hold: it may have evicted them, or restarted, since this instance saved them, and a
+        producer's decode waits for every block it hands on."""
+        client = self.link.get()
+        if client is None or upto <= 0:
+            return
+        try:
+            held = client.contains(for_rank(r.keys[:upto], 0, self.tp_size))
+        except Exception as exc:  # a miss: nothing saved, nothing raised into vLLM
+            log.warning("kvstore: lookup failed, device hits not checked: %s", exc)
+            self.link.reset()
+            return
+        missing = [i for i in range(min(upto, len(r.block_ids))) if not held[i]]
+        if missing:
+            saves.append(SaveSpec(req_id, tuple(r.keys[i] for i in missing),
+                                  tuple(r.block_ids[i] for i in missing)))
+            r.transfers = True
 
     def _save(self, req_id: str, r: _Req, computed: int, saves: list[SaveSpec]) -> None:
         """Queue the prompt's full blocks that ``computed`` tokens complete."""
