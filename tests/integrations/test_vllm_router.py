@@ -6,10 +6,13 @@ The text equals what the same vLLM answers with a device prefix-cache hit of the
 producer's own cache, asked directly afterwards); the decode instance computes less than one
 block of the prompt (vLLM's own counters) and loads the rest through the connector (its
 counters on vLLM's ``/metrics``); streamed chat works the same way. Last, the store is killed:
-the instances serve on, computing, with transformers' text.
+the instances serve on, computing, with transformers' text; a fresh store comes back and P/D
+hands every block over again.
 """
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -65,8 +68,8 @@ def test_openai_client_through_the_router_prefills_on_one_vllm_and_decodes_on_th
     assert streamed == reference["choices"][0]["message"]["content"]
 
 
-def test_a_killed_store_is_a_miss_for_the_vllm_instances(vllm_pd: VllmPD) -> None:
-    # The session's last vLLM test: the store stays dead after it.
+def test_a_killed_store_is_a_miss_and_its_return_is_found(vllm_pd: VllmPD) -> None:
+    # The session's last vLLM test: it kills the store and brings a fresh one back.
     from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 
     pd = vllm_pd
@@ -84,3 +87,19 @@ def test_a_killed_store_is_a_miss_for_the_vllm_instances(vllm_pd: VllmPD) -> Non
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(ids)
     theirs, margins = hf_greedy(pd.model_dir, ids, MAX_TOKENS)
     assert assert_same_greedy(list(resp.json()["choices"][0]["token_ids"]), theirs, margins) <= 1
+    # The store comes back (a fresh daemon, empty): P/D of a prompt the producer holds as a
+    # device hit still hands every block over: the producer saves the hits the store lost.
+    pd.cluster.respawn(store)
+    deadline = time.monotonic() + 60
+    while not pd.cluster.is_ready(store):
+        assert time.monotonic() < deadline, "the store did not come back"
+        time.sleep(0.2)
+    time.sleep(6.0)   # the killed daemon's registration expires (its TTL): one store in etcd
+    prompt = _text_prompt(pd, 1500)   # the first test's: the producer's device cache holds it
+    from openai import OpenAI
+
+    before = pd.consumer.prompt_tokens_by_source()
+    client = OpenAI(base_url=pd.router_url + "/v1", api_key="none", timeout=300)
+    client.completions.create(model=pd.model, prompt=prompt, max_tokens=4, temperature=0)
+    after = pd.consumer.prompt_tokens_by_source()
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) < pd.block_size
