@@ -65,9 +65,6 @@ class TransferStats:
     save_failed_blocks: int = 0
     store_errors: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class _Save:
@@ -160,15 +157,16 @@ class Transfers:
         while True:
             try:
                 spec = self._loads.get(timeout=_POLL_S if waiting else None)
-            except queue.Empty:
-                spec = False
-            if spec is None:
-                return
+            except queue.Empty:  # only the waiting loads to look at
+                pass
+            else:
+                if spec is None:
+                    return
+                if spec.wait_s > 0:
+                    waiting.append((time.monotonic(), time.monotonic() + spec.wait_s, spec))
+                else:
+                    self._run_load(spec)
             now = time.monotonic()
-            if spec and spec.wait_s > 0:
-                waiting.append((now, now + spec.wait_s, spec))
-            elif spec:
-                self._run_load(spec)
             for item in list(waiting):
                 since, deadline, w = item
                 if now >= deadline or self._stored(w):
