@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1", help="the router's bind address (default 127.0.0.1)")
     u.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     u.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    u.add_argument("--colocated", type=int, default=1,
+                   help="with --mode colocated: colocated workers, the router choosing among them by "
+                        "cache hits and load (default 1)")
     u.add_argument("--mode", choices=MODES, default=None,
                    help=f"{mode_help} (default disaggregated; auto with --autoscale)")
     u.add_argument("--policy", choices=PREFILL_POLICIES, default="kv-aware", help=f"{policy_help} (default kv-aware)")
@@ -344,6 +347,7 @@ def _up(args: argparse.Namespace) -> int:
         _balance(args)          # and so are the --balance-* ones
         spec = ClusterSpec(
             port=args.port, host=args.host, prefill=args.prefill, decode=args.decode,
+            colocated=args.colocated,
             mode=mode, policy=args.policy, auto_threshold=args.auto_threshold,
             model=args.model, etcd=args.etcd, cluster=args.cluster,
             threads_per_worker=args.threads_per_worker, store_memory=args.store_memory,

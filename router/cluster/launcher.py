@@ -107,6 +107,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     prefill: int = 1
     decode: int = 1
+    colocated: int = 1                   # workers in colocated mode (prefill/decode are not used there)
     mode: str = "disaggregated"          # disaggregated | colocated | auto
     policy: str = "kv-aware"
     auto_threshold: int | None = None
@@ -145,6 +146,8 @@ class ClusterSpec:
             if cpus is not None:
                 parse_cpus(cpus)
         if self.mode == "colocated":
+            if self.colocated < 1:
+                raise ValueError("colocated mode needs at least one worker")
             return
         if self.prefill < (1 if self.mode == "disaggregated" else 0) or self.decode < 1:
             raise ValueError(f"{self.mode} mode needs at least one decode worker"
@@ -213,7 +216,7 @@ class LocalCluster:
         if self.etcd_url is None:
             self._start_etcd()
         self._start_store()
-        roles = (["colocated"] if spec.mode == "colocated"
+        roles = (["colocated"] * spec.colocated if spec.mode == "colocated"
                  else ["prefill"] * spec.prefill + ["decode"] * spec.decode)
         counts: dict[str, int] = {}
         started = []

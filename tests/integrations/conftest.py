@@ -136,7 +136,7 @@ class VllmPD:
 
     def registration(self, server: VllmServer) -> WorkerInfo:
         """``server``'s registration in etcd, as its connector wrote it."""
-        return _registered(self.cluster, server.worker_id)
+        return registered(self.cluster, server.worker_id)
 
     def worker_info(self, server: VllmServer, worker_id: str | None = None,
                     role: WorkerRole | None = None) -> WorkerInfo:
@@ -154,7 +154,7 @@ class VllmPD:
         return Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
 
 
-def _registered(cluster: LocalCluster, worker_id: str) -> WorkerInfo:
+def registered(cluster: LocalCluster, worker_id: str) -> WorkerInfo:
     from kvstore.coord.etcd import EtcdClient
     from kvstore.coord.layout import worker_key
 
@@ -191,7 +191,7 @@ def vllm_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPD]:
         for name, role in (("prefill-0", "kv_producer"), ("decode-0", "kv_consumer")):
             child = cluster.child(name)
             assert child.member_id is not None
-            info = _registered(cluster, child.member_id)
+            info = registered(cluster, child.member_id)
             assert info.kv_events and info.kv_events_replay
             servers.append(VllmServer(role, child.address, child.log_path, child.member_id,
                                       info.kv_events, info.kv_events_replay))

@@ -5,19 +5,21 @@ through the store, the rest decoded on the consumer.
 The text equals what the same vLLM answers with a device prefix-cache hit of the prompt (the
 producer's own cache, asked directly afterwards); the decode instance computes less than one
 block of the prompt (vLLM's own counters) and loads the rest through the connector (its
-counters on vLLM's ``/metrics``); streamed chat works the same way. Last, the store is killed:
+counters on vLLM's ``/metrics``); streamed chat works the same way. Then the store is killed:
 the instances serve on, computing, with transformers' text; a fresh store comes back and P/D
-hands every block over again.
+hands every block over again. Last, a second decode instance joins and the one streaming a
+request is killed mid-stream: the router resumes it on the other.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
 
-from tests.integrations.conftest import ROOT, VllmPD
+from tests.integrations.conftest import ROOT, VllmPD, VllmServer, registered
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -103,3 +105,66 @@ def test_a_killed_store_is_a_miss_and_its_return_is_found(vllm_pd: VllmPD) -> No
     client.completions.create(model=pd.model, prompt=prompt, max_tokens=4, temperature=0)
     after = pd.consumer.prompt_tokens_by_source()
     assert after.get("local_compute", 0) - before.get("local_compute", 0) < pd.block_size
+
+
+def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) -> None:
+    """A second decode instance joins (registered by its connector, found by the router in
+    etcd); the instance streaming a request is killed after some tokens; the router resumes
+    the stream on the other one (the prompt and the tokens so far as its prompt) and the
+    client gets transformers' greedy text, once. The survivor is the session's consumer from
+    then on."""
+    from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
+
+    pd = vllm_pd
+    cluster = pd.cluster
+    extra = cluster.add_worker("decode")
+    deadline = time.monotonic() + 420
+    while not cluster.is_ready(extra):
+        assert extra.alive() and time.monotonic() < deadline, "the second decode instance did not start"
+        time.sleep(0.5)
+    assert extra.member_id is not None
+    info = registered(cluster, extra.member_id)
+    second = VllmServer("kv_consumer", extra.address, extra.log_path, extra.member_id,
+                        info.kv_events or "", info.kv_events_replay or "")
+    second.warm_up(pd.model, pd.secret)
+    deadline = time.monotonic() + 30
+    while _router_metric(pd, 'kvrouter_workers{role="decode"}') < 2:
+        assert time.monotonic() < deadline, "the router never saw the second decode instance"
+        time.sleep(0.2)
+
+    n_out = 48
+    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids[30000:30700]
+    failovers = _failovers(pd)
+    got: list[int] = []
+    with httpx.stream("POST", pd.router_url + "/v1/completions", timeout=600, json={
+            "model": pd.model, "prompt": ids, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}) as resp:
+        assert resp.status_code == 200
+        killed: VllmServer | None = None
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                got += choice.get("token_ids") or []
+            if killed is None and len(got) >= 8:
+                killed = next(s for s in (pd.consumer, second) if s.metric("vllm:num_requests_running") > 0)
+                name = next(c.name for c in cluster.children if c.address == killed.url)
+                cluster.child(name).proc.kill()   # type: ignore[union-attr]
+    assert killed is not None
+    assert _failovers(pd) - failovers == 1
+    theirs, margins = hf_greedy(pd.model_dir, ids, n_out)
+    assert len(got) == n_out
+    assert assert_same_greedy(got, theirs, margins) <= 1
+    pd.consumer = second if killed is pd.consumer else pd.consumer
+
+
+def _router_metric(pd: VllmPD, series: str) -> float:
+    """One series of the router's ``/metrics``, e.g. ``kvrouter_workers{role="decode"}``."""
+    for line in httpx.get(pd.router_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _failovers(pd: VllmPD) -> float:
+    return _router_metric(pd, 'kvrouter_failovers_total{kind="decode_resume"}')

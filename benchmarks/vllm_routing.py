@@ -1,0 +1,355 @@
+"""Our router against vLLM's own router in front of the same colocated vLLM instances:
+
+    python -m benchmarks.vllm_routing [--repeats 3] [--parts multi_turn,mixed] [--out DIR]
+
+One cluster, started once with ``kvrouter up --engine vllm --mode colocated --colocated 2``:
+etcd, a store daemon, two vLLM OpenAI servers (the default model, float32, one thread each,
+block size 32, each with the store's KV connector and vLLM's own KV events) and our router
+(``--policy kv-aware``). Beside it, on the very same two instances, ``vllm-router`` (PyPI's
+``vllm-router``, from ``.venv-loadgen``; ``scripts/setup_loadgen.sh``) with its KV-event-aware
+policy (``--policy kv_aware``), subscribed to the same ZMQ event sockets and replay endpoints.
+
+Each run drives one router with one seeded workload (``benchmarks.load_client``, open loop,
+token-id prompts, streaming): ``multi_turn`` (chat sessions whose every turn extends the
+last: the turns of a session hit the instance that holds its history, or recompute it) and
+``mixed`` (short decode-heavy requests with rare huge prefills: placement by load). The two
+routers take turns: repeat ``r`` runs every part on ours then theirs, or theirs then ours on
+odd ``r``, with the same workload (seed ``--seed + r``). Before every run both instances'
+prefix caches are emptied (``POST /reset_prefix_cache``, vLLM's dev-mode endpoint; both
+routers get vLLM's ``AllBlocksCleared`` event) and the store daemon is restarted empty (the
+launcher restarts it; the connectors find the new one in etcd), so no run inherits another's
+cache. The workload carries no ``cache_salt``: vllm-router's index skips blocks with extra
+keys.
+
+Per run: TTFT and TPOT p50/p99, goodput (requests meeting the objectives per second of the
+run; objectives from unloaded probes through our router once at the start: TTFT 5x, TPOT 2x,
+the same for both routers), and from the instances' own Prometheus counters (deltas over the
+run, summed over instances): the device prefix-cache hit rate (``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``, in tokens), the share loaded through the connector
+(``vllm:external_prefix_cache_hits``), and each instance's share of the requests. Figures:
+the median over repeats with the min-max spread. Target (issue 30): ours ahead on goodput and
+p99 TTFT by more than the repeats' spread, level or better on the hit rate. One JSON line on
+stdout; ``OUT/vllm_routing.json`` and ``OUT/vllm_routing.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import lifecycle
+from benchmarks.load_client import ClientConfig, fetch_model
+from benchmarks.serve_bench import measure_unloaded, run_point
+from planner.metrics import Slo
+from planner.workloads import ChatSpec, MixedSpec, TokenSpace, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_ROUTER = ROOT / ".venv-loadgen" / "bin" / "vllm-router"
+PARTS = ("multi_turn", "mixed")
+ROUTERS = ("ours", "vllm_router")
+COUNTERS = ("prefix_cache_hits", "prefix_cache_queries", "external_prefix_cache_hits", "request_success")
+
+
+def workload(part: str, args: argparse.Namespace, seed: int) -> Workload:
+    space = TokenSpace(max_context=8192)
+    if part == "multi_turn":
+        return ChatSpec(users=args.users, turns=args.turns, first_message=args.first_message,
+                        system_prompt=args.system_prompt, reply=32, message=64,
+                        think_time_s=1.0).build(args.chat_rate, seed, space)
+    return MixedSpec(short_prompt=128, short_output=48, long_prompt=3072, long_output=8,
+                     long_share=0.08).build(args.mixed_requests, args.mixed_rate, seed, space)
+
+
+def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each ``vllm:NAME_total`` in a Prometheus text page, summed over its label sets."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith("vllm:"):
+            continue
+        metric, _, value = line.rpartition(" ")
+        name = metric.split("{", 1)[0].removeprefix("vllm:").removesuffix("_total")
+        if name in out:
+            out[name] += float(value)
+    return out
+
+
+class Cluster:
+    """``kvrouter up`` (our router and the instances) and ``vllm-router`` beside it."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        from router.cluster.child import free_port
+
+        self.log_dir = out / "cluster"
+        self.up_log = open(out / "up.log", "w")
+        argv = [sys.executable, "-m", "router.cli", "up", "--engine", "vllm", "--mode", "colocated",
+                "--colocated", "2", "--policy", "kv-aware", "--port", str(free_port()),
+                "--vllm-kv-cache", args.kv_cache, "--vllm-block-size", "32", "--store-memory", "2G",
+                "--log-dir", str(self.log_dir), "--ready-timeout", "300"]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}   # POST /reset_prefix_cache
+        self.proc = lifecycle.popen(argv, stdout=self.up_log, stderr=self.up_log, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 600
+        while "The router is up at" not in (out / "up.log").read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvrouter up did not come up; see {out / 'up.log'}:\n"
+                                   + (out / "up.log").read_text()[-2000:])
+            time.sleep(0.5)
+        state = self.state()
+        self.router: str = state["router"]
+        self.secret = Path(state["secret_file"]).read_text().strip()
+        self.auth = {"Authorization": f"Bearer {self.secret}"}
+        self.workers = self._workers(state["etcd"], state["cluster"])
+        self.theirs = self._vllm_router(out, free_port())
+
+    def state(self) -> dict[str, Any]:
+        for _ in range(100):   # rewritten atomically
+            try:
+                return json.loads((self.log_dir / "cluster.json").read_text())
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        raise RuntimeError("kvrouter up's cluster.json is gone")
+
+    @staticmethod
+    def _workers(etcd_url: str, cluster: str) -> list[Any]:
+        from engine.api.generate import WorkerInfo
+        from kvstore.coord import layout
+        from kvstore.coord.etcd import EtcdClient
+
+        with EtcdClient(etcd_url, timeout=2.0) as etcd:
+            items = etcd.get_prefix(layout.prefix(cluster, "workers"))[0]
+        workers = [WorkerInfo.from_etcd_value(k.rsplit("/", 1)[1], v) for k, v in items.items()]
+        if len(workers) != 2 or any(w.engine != "vllm" or not w.kv_events for w in workers):
+            raise RuntimeError(f"expected two vLLM workers with KV events in etcd, found {workers}")
+        return sorted(workers, key=lambda w: w.address)
+
+    def _vllm_router(self, out: Path, port: int) -> str:
+        if not VLLM_ROUTER.exists():
+            raise SystemExit(f"{VLLM_ROUTER} is missing: run scripts/setup_loadgen.sh")
+        w0 = self.workers[0]
+        argv = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
+                "--worker-urls", *[w.address for w in self.workers], "--api-key", self.secret,
+                "--kv-event-block-size", str(w0.block_size), "--kv-event-model", w0.model,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1 if port < 65535 else port - 1),
+                "--health-check-interval-secs", "5"]
+        for w in self.workers:
+            argv += ["--kv-event-source", f"{w.address}={w.kv_events}"]
+            if w.kv_events_replay:
+                argv += ["--kv-event-replay-source", f"{w.address}={w.kv_events_replay}"]
+        self.their_log = open(out / "vllm_router.log", "w")
+        self.their_proc = lifecycle.popen(argv, stdout=self.their_log, stderr=self.their_log)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.their_proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited; see {out / 'vllm_router.log'}")
+            try:
+                if httpx.get(f"{url}/v1/models", headers=self.auth, timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm-router did not serve /v1/models; see {out / 'vllm_router.log'}")
+
+    def counters(self) -> list[dict[str, float]]:
+        return [prometheus_sums(httpx.get(f"{w.address}/metrics", timeout=10).text, COUNTERS) for w in self.workers]
+
+    def reset(self) -> None:
+        """Empty both device prefix caches and restart the store daemon empty."""
+        for w in self.workers:
+            r = httpx.post(f"{w.address}/reset_prefix_cache", headers=self.auth, timeout=60)
+            r.raise_for_status()
+        store = next(c for c in self.state()["children"].values() if c["kind"] == "store")
+        backs = self.up_log_text().count("store back (")
+        lifecycle.kill_pid(store["pid"])
+        deadline = time.monotonic() + 90
+        while self.up_log_text().count("store back (") == backs:   # the launcher's word: it serves again
+            if time.monotonic() > deadline:
+                raise RuntimeError("the store daemon did not come back")
+            time.sleep(0.3)
+        time.sleep(3.0)   # the connectors' next lookup finds it through etcd
+
+    def up_log_text(self) -> str:
+        return Path(self.up_log.name).read_text()
+
+    def stop(self) -> None:
+        lifecycle.stop(self.their_proc, 10)
+        lifecycle.stop(self.proc, 60)
+        self.up_log.close()
+        self.their_log.close()
+
+
+def delta(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, Any]:
+    per = [{k: a[k] - b[k] for k in COUNTERS} for b, a in zip(before, after)]
+    queries = sum(p["prefix_cache_queries"] for p in per)
+    requests = sum(p["request_success"] for p in per)
+    return {"device_hit_rate": sum(p["prefix_cache_hits"] for p in per) / queries if queries else None,
+            "store_hit_rate": sum(p["external_prefix_cache_hits"] for p in per) / queries if queries else None,
+            "prompt_tokens": queries,
+            "instance_share": [p["request_success"] / requests if requests else None for p in per]}
+
+
+def _spread(values: list[float | None]) -> dict[str, float | None]:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per part and router: median and min-max over repeats; per part, whether ours is ahead."""
+    table: dict[str, Any] = {}
+    for part in sorted({r["part"] for r in runs}):
+        row: dict[str, Any] = {}
+        for router in ROUTERS:
+            rs = [r for r in runs if r["part"] == part and r["router"] == router]
+            s = [r["summary"] for r in rs]
+            row[router] = {
+                "goodput": _spread([x["goodput"] for x in s]),
+                "good": _spread([x["good"] for x in s]),
+                "ttft_p50": _spread([x["ttft_s"]["p50"] if x["ttft_s"] else None for x in s]),
+                "ttft_p99": _spread([x["ttft_s"]["p99"] if x["ttft_s"] else None for x in s]),
+                "tpot_p50": _spread([x["tpot_s"]["p50"] if x["tpot_s"] else None for x in s]),
+                "tpot_p99": _spread([x["tpot_s"]["p99"] if x["tpot_s"] else None for x in s]),
+                "device_hit_rate": _spread([r["cache"]["device_hit_rate"] for r in rs]),
+                "store_hit_rate": _spread([r["cache"]["store_hit_rate"] for r in rs]),
+                "failed": sum(x["failed"] for x in s), "repeats": len(rs)}
+        ours, theirs = row["ours"], row["vllm_router"]
+        if ours["repeats"] and theirs["repeats"]:
+            def ahead(metric: str, higher: bool) -> bool | None:
+                a, b = row["ours"][metric], row["vllm_router"][metric]
+                if a["median"] is None or b["median"] is None:
+                    return None
+                # "by more than the spread": our worst repeat beats their best one
+                return a["min"] > b["max"] if higher else a["max"] < b["min"]
+            row["ahead"] = {"goodput": ahead("goodput", True), "ttft_p99": ahead("ttft_p99", False),
+                            "hit_rate_level_or_better": (ours["device_hit_rate"]["median"] or 0)
+                            >= (theirs["device_hit_rate"]["median"] or 0) - 0.02}
+        table[part] = row
+    return table
+
+
+def plot(table: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("goodput", "goodput (req/s)"), ("ttft_p99", "TTFT p99 (s)"), ("device_hit_rate", "device hit rate"))
+    parts = list(table)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
+    for ax, (metric, label) in zip(axes, metrics):
+        for j, router in enumerate(ROUTERS):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(parts))]
+            cells = [table[p][router][metric] for p in parts]
+            med = [c["median"] or 0 for c in cells]
+            err = [[m - (c["min"] or 0) for m, c in zip(med, cells)], [(c["max"] or 0) - m for m, c in zip(med, cells)]]
+            ax.bar(xs, med, 0.36, yerr=err, capsize=3, label={"ours": "kvrouter (ours)",
+                                                              "vllm_router": "vllm-router kv_aware"}[router])
+        ax.set_xticks(range(len(parts)), parts)
+        ax.set_title(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("the same two vLLM instances behind each router (median, min-max over repeats)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def _probe_slo(url: str, model: str, parts: list[str], args: argparse.Namespace) -> dict[str, Slo]:
+    cfg = ClientConfig(url, model, progress=False)
+    out = {}
+    for part in parts:
+        wl = workload(part, args, args.seed)
+        unloaded = await measure_unloaded(cfg, wl.probe_shape(), TokenSpace(max_context=8192), 3, args.seed,
+                                          wl.long_probe_prompt())
+        out[part] = unloaded.slo(5.0, 2.0)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    cluster = Cluster(args, out)
+    runs: list[dict[str, Any]] = []
+    try:
+        urls = {"ours": cluster.router, "vllm_router": cluster.theirs}
+        model = asyncio.run(fetch_model(cluster.router))
+        slos = asyncio.run(_probe_slo(cluster.router, model, parts, args))
+        for r in range(args.repeats):
+            order = ROUTERS if r % 2 == 0 else ROUTERS[::-1]
+            for part in parts:
+                wl = workload(part, args, args.seed + r)
+                for router in order:
+                    cluster.reset()
+                    cfg = ClientConfig(urls[router], model, max_duration_s=args.max_duration, grace_s=60,
+                                       extra_body={}, progress=not args.quiet)
+                    before = cluster.counters()
+                    point = asyncio.run(run_point(wl, cfg, slos[part]))
+                    time.sleep(1.0)   # the instances' last counters
+                    rec = {"router": router, "part": part, "repeat": r, "requests": len(wl.requests),
+                           "summary": point.record["summary"], "by_tag": point.record["by_tag"],
+                           "errors": point.record["errors"], "cache": delta(before, cluster.counters())}
+                    runs.append(rec)
+                    with open(out / "runs.jsonl", "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    s = rec["summary"]
+                    print(f"[vllm_routing] repeat {r} {part:10s} {router:11s} good {s['good']}/{s['issued']} "
+                          f"ttft p99 {s['ttft_s']['p99'] if s['ttft_s'] else float('nan'):.2f}s "
+                          f"device hits {rec['cache']['device_hit_rate'] or 0:.1%}", file=sys.stderr)
+    finally:
+        cluster.stop()
+    table = summarize_runs(runs)
+    record = {"benchmark": "vllm_routing", "parts": parts, "repeats": args.repeats, "seed": args.seed,
+              "kv_cache_per_instance": args.kv_cache, "slo": {p: dataclasses.asdict(s) for p, s in slos.items()},
+              "workloads": {p: workload(p, args, args.seed).scaling for p in parts},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "table": table, "runs": runs}
+    (out / "vllm_routing.json").write_text(json.dumps(record, indent=1))
+    plot(table, out / "vllm_routing.png")
+    return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_routing",
+                                description="our router vs vllm-router (kv_aware) in front of the same two "
+                                            "colocated vLLM instances, interleaved repeats (module docstring)")
+    p.add_argument("--out", default="benchmarks/results/vllm_routing", help="directory for the JSON, runs and plot")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated of {', '.join(PARTS)}")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every part on each router (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed of repeat 0 (repeat r: seed + r)")
+    p.add_argument("--kv-cache", default="384M", help="each instance's vLLM KV cache (default 384M)")
+    p.add_argument("--users", type=int, default=24, help="multi_turn: chat sessions (default 24)")
+    p.add_argument("--turns", type=int, default=4, help="multi_turn: turns per session (default 4)")
+    p.add_argument("--first-message", type=int, default=512, help="multi_turn: first message tokens (default 512)")
+    p.add_argument("--system-prompt", type=int, default=0, help="multi_turn: shared system prompt tokens (default 0)")
+    p.add_argument("--chat-rate", type=float, default=1.0, help="multi_turn: requests/s (default 1.0)")
+    p.add_argument("--mixed-requests", type=int, default=80, help="mixed: requests (default 80)")
+    p.add_argument("--mixed-rate", type=float, default=1.5, help="mixed: requests/s (default 1.5)")
+    p.add_argument("--max-duration", type=float, default=240.0, help="send nothing after this many seconds of a run")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    record = run(args)
+    print(json.dumps({k: v for k, v in record.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    sys.exit(lifecycle.run_main(main))
