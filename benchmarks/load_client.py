@@ -53,6 +53,7 @@ class ClientConfig:
     ignore_eos: bool = True
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request (e.g. Authorization)
     request_salt: str | None = None  # set: cache_salt = this + the request's id (no prefix reuse)
 
     def __post_init__(self) -> None:
@@ -180,7 +181,7 @@ async def run_workload(requests: Sequence[BenchRequest], cfg: ClientConfig, desc
         tasks.add(asyncio.create_task(one(session, req, at)))
 
     hard_deadline = cfg.max_duration_s + cfg.grace_s
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=cfg.headers) as session:
         for r in requests:
             if r.after is None:
                 spawn(session, r, r.arrival_s)
@@ -199,9 +200,9 @@ async def run_workload(requests: Sequence[BenchRequest], cfg: ClientConfig, desc
     return RunOutcome(results, now(), len(requests) - len(results))
 
 
-async def fetch_model(base_url: str, timeout_s: float = 10.0) -> str:
+async def fetch_model(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> str:
     """The first model id that ``GET /v1/models`` lists."""
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=headers) as session:
         async with session.get(base_url.rstrip("/") + "/v1/models",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             resp.raise_for_status()

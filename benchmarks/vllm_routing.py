@@ -67,7 +67,7 @@ def workload(part: str, args: argparse.Namespace, seed: int) -> Workload:
         return ChatSpec(users=args.users, turns=args.turns, first_message=args.first_message,
                         system_prompt=args.system_prompt, reply=32, message=64,
                         think_time_s=1.0).build(args.chat_rate, seed, space)
-    return MixedSpec(short_prompt=128, short_output=48, long_prompt=3072, long_output=8,
+    return MixedSpec(short_prompt=128, short_output=48, long_prompt=args.long_prompt, long_output=8,
                      long_share=0.08).build(args.mixed_requests, args.mixed_rate, seed, space)
 
 
@@ -82,6 +82,47 @@ def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
         if name in out:
             out[name] += float(value)
     return out
+
+
+def _proxy(front_type: int, front: str, back_type: int, back: str, subscribe: bool) -> None:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    f, b = ctx.socket(front_type), ctx.socket(back_type)
+    if subscribe:
+        f.setsockopt(zmq.SUBSCRIBE, b"")
+    f.connect(front) if front_type in (zmq.SUB, zmq.DEALER) else f.bind(front)
+    b.connect(back) if back_type in (zmq.SUB, zmq.DEALER) else b.bind(back)
+    zmq.proxy(f, b)
+
+
+def _bridge(front_type: int, front: str, back_type: int, back: str, subscribe: bool = False) -> None:
+    import threading
+
+    threading.Thread(target=_proxy, args=(front_type, front, back_type, back, subscribe), daemon=True).start()
+
+
+def bridge_events(ipc: str) -> str:
+    """vllm-router takes ``tcp://HOST:PORT`` event sources only, where our instances publish on
+    unix sockets (their events carry prompts' token ids): a loopback TCP republisher of one
+    (a ZMQ proxy in this process, microseconds a message)."""
+    import zmq
+    from router.cluster.child import free_port
+
+    tcp = f"tcp://127.0.0.1:{free_port()}"
+    _bridge(zmq.SUB, ipc, zmq.XPUB, tcp, subscribe=True)
+    return tcp
+
+
+def bridge_replay(ipc: str) -> str:
+    """The same for a replay endpoint (vLLM's ROUTER socket): requests in on loopback TCP,
+    through to the unix socket and back."""
+    import zmq
+    from router.cluster.child import free_port
+
+    tcp = f"tcp://127.0.0.1:{free_port()}"
+    _bridge(zmq.ROUTER, tcp, zmq.DEALER, ipc)
+    return tcp
 
 
 class Cluster:
@@ -127,7 +168,7 @@ class Cluster:
 
         with EtcdClient(etcd_url, timeout=2.0) as etcd:
             items = etcd.get_prefix(layout.prefix(cluster, "workers"))[0]
-        workers = [WorkerInfo.from_etcd_value(k.rsplit("/", 1)[1], v) for k, v in items.items()]
+        workers = [WorkerInfo.from_etcd_value(k.rsplit("/", 1)[1], json.loads(v)) for k, v in items.items()]
         if len(workers) != 2 or any(w.engine != "vllm" or not w.kv_events for w in workers):
             raise RuntimeError(f"expected two vLLM workers with KV events in etcd, found {workers}")
         return sorted(workers, key=lambda w: w.address)
@@ -136,15 +177,17 @@ class Cluster:
         if not VLLM_ROUTER.exists():
             raise SystemExit(f"{VLLM_ROUTER} is missing: run scripts/setup_loadgen.sh")
         w0 = self.workers[0]
+        sources = {w.address: (bridge_events(w.kv_events), bridge_replay(w.kv_events_replay) if w.kv_events_replay
+                               else None) for w in self.workers}
         argv = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
                 "--worker-urls", *[w.address for w in self.workers], "--api-key", self.secret,
                 "--kv-event-block-size", str(w0.block_size), "--kv-event-model", w0.model,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1 if port < 65535 else port - 1),
                 "--health-check-interval-secs", "5"]
-        for w in self.workers:
-            argv += ["--kv-event-source", f"{w.address}={w.kv_events}"]
-            if w.kv_events_replay:
-                argv += ["--kv-event-replay-source", f"{w.address}={w.kv_events_replay}"]
+        for address, (events, replay) in sources.items():
+            argv += ["--kv-event-source", f"{address}={events}"]
+            if replay:
+                argv += ["--kv-event-replay-source", f"{address}={replay}"]
         self.their_log = open(out / "vllm_router.log", "w")
         self.their_proc = lifecycle.popen(argv, stdout=self.their_log, stderr=self.their_log)
         url = f"http://127.0.0.1:{port}"
@@ -194,6 +237,8 @@ def delta(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict
     requests = sum(p["request_success"] for p in per)
     return {"device_hit_rate": sum(p["prefix_cache_hits"] for p in per) / queries if queries else None,
             "store_hit_rate": sum(p["external_prefix_cache_hits"] for p in per) / queries if queries else None,
+            "reuse_rate": sum(p["prefix_cache_hits"] + p["external_prefix_cache_hits"] for p in per) / queries
+            if queries else None,
             "prompt_tokens": queries,
             "instance_share": [p["request_success"] / requests if requests else None for p in per]}
 
@@ -222,6 +267,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "tpot_p99": _spread([x["tpot_s"]["p99"] if x["tpot_s"] else None for x in s]),
                 "device_hit_rate": _spread([r["cache"]["device_hit_rate"] for r in rs]),
                 "store_hit_rate": _spread([r["cache"]["store_hit_rate"] for r in rs]),
+                "reuse_rate": _spread([r["cache"]["reuse_rate"] for r in rs]),
                 "failed": sum(x["failed"] for x in s), "repeats": len(rs)}
         ours, theirs = row["ours"], row["vllm_router"]
         if ours["repeats"] and theirs["repeats"]:
@@ -292,7 +338,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for router in order:
                     cluster.reset()
                     cfg = ClientConfig(urls[router], model, max_duration_s=args.max_duration, grace_s=60,
-                                       extra_body={}, progress=not args.quiet)
+                                       progress=not args.quiet,
+                                       headers=cluster.auth if router == "vllm_router" else {})
                     before = cluster.counters()
                     point = asyncio.run(run_point(wl, cfg, slos[part]))
                     time.sleep(1.0)   # the instances' last counters
@@ -328,13 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs of every part on each router (default 3)")
     p.add_argument("--seed", type=int, default=0, help="workload seed of repeat 0 (repeat r: seed + r)")
     p.add_argument("--kv-cache", default="384M", help="each instance's vLLM KV cache (default 384M)")
-    p.add_argument("--users", type=int, default=24, help="multi_turn: chat sessions (default 24)")
+    p.add_argument("--users", type=int, default=20, help="multi_turn: chat sessions (default 20)")
     p.add_argument("--turns", type=int, default=4, help="multi_turn: turns per session (default 4)")
     p.add_argument("--first-message", type=int, default=512, help="multi_turn: first message tokens (default 512)")
     p.add_argument("--system-prompt", type=int, default=0, help="multi_turn: shared system prompt tokens (default 0)")
     p.add_argument("--chat-rate", type=float, default=1.0, help="multi_turn: requests/s (default 1.0)")
-    p.add_argument("--mixed-requests", type=int, default=80, help="mixed: requests (default 80)")
-    p.add_argument("--mixed-rate", type=float, default=1.5, help="mixed: requests/s (default 1.5)")
+    p.add_argument("--mixed-requests", type=int, default=60, help="mixed: requests (default 60)")
+    p.add_argument("--mixed-rate", type=float, default=1.0, help="mixed: requests/s (default 1.0)")
+    p.add_argument("--long-prompt", type=int, default=2048, help="mixed: mean tokens of a huge prefill (default 2048)")
     p.add_argument("--max-duration", type=float, default=240.0, help="send nothing after this many seconds of a run")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
