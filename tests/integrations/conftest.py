@@ -43,6 +43,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_BLOCK = 32
 VLLM_MAX_MODEL_LEN = 4096
 VLLM_KV_BYTES = 1 << 30
+VLLM_THREADS = 2   # the tests mostly run one instance at a time: both CPUs for its prefill
 VLLM_START_TIMEOUT = 420.0  # both start at once on a small machine; one alone takes ~60 s
 
 
@@ -179,6 +180,7 @@ def vllm_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPD]:
     base = tmp_path_factory.mktemp("vllm-pd")
     spec = ClusterSpec(port=0, prefill=1, decode=1, mode="disaggregated", model=str(model_dir),
                        cluster="vllmtest", store_memory="1G", log_dir=str(base / "logs"),
+                       threads_per_worker=VLLM_THREADS,
                        ready_timeout=VLLM_START_TIMEOUT, engine="vllm", vllm_python=str(VLLM_PYTHON),
                        vllm_block_size=VLLM_BLOCK, vllm_kv_cache=str(VLLM_KV_BYTES),
                        worker_args=("--max-model-len", str(VLLM_MAX_MODEL_LEN), "--max-num-seqs", "8",
