@@ -28,6 +28,7 @@ flags)::
     .venv/bin/python -m benchmarks.handoff_bench    # the P->D handoff across hosts: one hop vs rendezvous
     .venv/bin/python -m benchmarks.lmcache_bench    # LMCache through our plugin vs its lm:// server and Mooncake
     .venv/bin/python -m benchmarks.vllm_bench       # vLLM's TTFT: cold, device hit, our connector's hits, ExampleConnector
+    .venv/bin/python -m benchmarks.vllm_routing     # our router vs vllm-router (kv_aware) on the same vLLM instances
     .venv-vllm/bin/python -m benchmarks.vllm_driver CONFIG  # one vLLM instance the vLLM tests and vllm_bench drive
     .venv/bin/python -m benchmarks.sim_fidelity     # kvplan's simulator against repeated compare runs
     .venv/bin/python -m benchmarks.recommend_check  # kvplan recommend on compare's workloads against the runs

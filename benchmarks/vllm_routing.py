@@ -84,44 +84,63 @@ def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _proxy(front_type: int, front: str, back_type: int, back: str, subscribe: bool) -> None:
+def _daemon(target: Any, *args: Any) -> None:
+    import threading
+
+    threading.Thread(target=target, args=args, daemon=True).start()
+
+
+def _republish(ipc: str, tcp: str) -> None:
     import zmq
 
     ctx = zmq.Context.instance()
-    f, b = ctx.socket(front_type), ctx.socket(back_type)
-    if subscribe:
-        f.setsockopt(zmq.SUBSCRIBE, b"")
-    f.connect(front) if front_type in (zmq.SUB, zmq.DEALER) else f.bind(front)
-    b.connect(back) if back_type in (zmq.SUB, zmq.DEALER) else b.bind(back)
-    zmq.proxy(f, b)
+    sub, xpub = ctx.socket(zmq.SUB), ctx.socket(zmq.XPUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(ipc)
+    xpub.bind(tcp)
+    zmq.proxy(sub, xpub)
 
 
-def _bridge(front_type: int, front: str, back_type: int, back: str, subscribe: bool = False) -> None:
-    import threading
+def _relay_replay(tcp: str, ipc: str) -> None:
+    """vLLM's replay socket takes ``[identity, b"", start_seq]`` and answers several
+    ``[identity, b"", seq, payload]`` messages: one DEALER towards it, the answers handed to
+    whoever asked last (vllm-router, alone on this bridge)."""
+    import zmq
 
-    threading.Thread(target=_proxy, args=(front_type, front, back_type, back, subscribe), daemon=True).start()
+    ctx = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    front.bind(tcp)
+    back.connect(ipc)
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    asker = b""
+    while True:
+        for sock, _ in poller.poll():
+            if sock is front:
+                asker, *request = front.recv_multipart()
+                back.send_multipart(request if request[:1] == [b""] else [b"", *request])
+            else:
+                front.send_multipart([asker, *back.recv_multipart()])
 
 
 def bridge_events(ipc: str) -> str:
     """vllm-router takes ``tcp://HOST:PORT`` event sources only, where our instances publish on
     unix sockets (their events carry prompts' token ids): a loopback TCP republisher of one
     (a ZMQ proxy in this process, microseconds a message)."""
-    import zmq
     from router.cluster.child import free_port
 
     tcp = f"tcp://127.0.0.1:{free_port()}"
-    _bridge(zmq.SUB, ipc, zmq.XPUB, tcp, subscribe=True)
+    _daemon(_republish, ipc, tcp)
     return tcp
 
 
 def bridge_replay(ipc: str) -> str:
-    """The same for a replay endpoint (vLLM's ROUTER socket): requests in on loopback TCP,
-    through to the unix socket and back."""
-    import zmq
+    """The same for a replay endpoint (:func:`_relay_replay`)."""
     from router.cluster.child import free_port
 
     tcp = f"tcp://127.0.0.1:{free_port()}"
-    _bridge(zmq.ROUTER, tcp, zmq.DEALER, ipc)
+    _daemon(_relay_replay, tcp, ipc)
     return tcp
 
 
@@ -375,13 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs of every part on each router (default 3)")
     p.add_argument("--seed", type=int, default=0, help="workload seed of repeat 0 (repeat r: seed + r)")
     p.add_argument("--kv-cache", default="384M", help="each instance's vLLM KV cache (default 384M)")
-    p.add_argument("--users", type=int, default=20, help="multi_turn: chat sessions (default 20)")
+    p.add_argument("--users", type=int, default=16, help="multi_turn: chat sessions (default 16)")
     p.add_argument("--turns", type=int, default=4, help="multi_turn: turns per session (default 4)")
     p.add_argument("--first-message", type=int, default=512, help="multi_turn: first message tokens (default 512)")
     p.add_argument("--system-prompt", type=int, default=0, help="multi_turn: shared system prompt tokens (default 0)")
-    p.add_argument("--chat-rate", type=float, default=1.0, help="multi_turn: requests/s (default 1.0)")
-    p.add_argument("--mixed-requests", type=int, default=60, help="mixed: requests (default 60)")
-    p.add_argument("--mixed-rate", type=float, default=1.0, help="mixed: requests/s (default 1.0)")
+    p.add_argument("--chat-rate", type=float, default=0.6, help="multi_turn: requests/s (default 0.6)")
+    p.add_argument("--mixed-requests", type=int, default=50, help="mixed: requests (default 50)")
+    p.add_argument("--mixed-rate", type=float, default=0.7, help="mixed: requests/s (default 0.7)")
     p.add_argument("--long-prompt", type=int, default=2048, help="mixed: mean tokens of a huge prefill (default 2048)")
     p.add_argument("--max-duration", type=float, default=240.0, help="send nothing after this many seconds of a run")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
