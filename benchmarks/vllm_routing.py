@@ -269,6 +269,22 @@ def _spread(values: list[float | None]) -> dict[str, float | None]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def _paired(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ours minus theirs within each repeat (the same workload, minutes apart): the machine's
+    speed drifts between repeats more than between the two runs of one."""
+    def p99(r: dict[str, Any]) -> float | None:
+        return r["summary"]["ttft_s"]["p99"] if r["summary"]["ttft_s"] else None
+
+    by = {(r["repeat"], r["router"]): r for r in runs}
+    reps = sorted({r["repeat"] for r in runs if (r["repeat"], "ours") in by and (r["repeat"], "vllm_router") in by})
+    good = [by[k, "ours"]["summary"]["good"] - by[k, "vllm_router"]["summary"]["good"] for k in reps]
+    ttft = [(a - b) if a is not None and b is not None else None
+            for a, b in ((p99(by[k, "ours"]), p99(by[k, "vllm_router"])) for k in reps)]
+    return {"good": good, "ttft_p99_s": ttft,
+            "ahead_in_every_repeat": {"goodput": bool(good) and all(g > 0 for g in good),
+                                      "ttft_p99": bool(ttft) and all(t is not None and t < 0 for t in ttft)}}
+
+
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per part and router: median and min-max over repeats; per part, whether ours is ahead."""
     table: dict[str, Any] = {}
@@ -299,6 +315,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["ahead"] = {"goodput": ahead("goodput", True), "ttft_p99": ahead("ttft_p99", False),
                             "hit_rate_level_or_better": (ours["device_hit_rate"]["median"] or 0)
                             >= (theirs["device_hit_rate"]["median"] or 0) - 0.02}
+            row["paired"] = _paired([r for r in runs if r["part"] == part])
         table[part] = row
     return table
 
@@ -404,11 +421,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt", type=int, default=2048, help="mixed: mean tokens of a huge prefill (default 2048)")
     p.add_argument("--max-duration", type=float, default=240.0, help="send nothing after this many seconds of a run")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="run nothing: summarize an earlier run's vllm_routing.json again (table and plot into --out)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.report:
+        record = json.loads(Path(args.report).read_text())
+        record["table"] = summarize_runs(record["runs"])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vllm_routing.json").write_text(json.dumps(record, indent=1))
+        plot(record["table"], out / "vllm_routing.png")
+        print(json.dumps({k: v for k, v in record.items() if k != "runs"}))
+        return
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     unknown = set(args.parts.split(",")) - set(PARTS)
