@@ -16,7 +16,8 @@ Fields are treated as vLLM treats them (``vllm/entrypoints/openai/protocol.py``)
   ``ignore_eos``, ``logprobs``; ``stop`` and ``include_stop_str_in_output`` are applied by the
   router; ``cache_salt`` salts the prompt's block keys; ``stream_options.include_usage`` and
   ``continuous_usage_stats`` (with ``include_usage``: usage so far in every chunk); chat's
-  ``max_completion_tokens`` wins over its deprecated ``max_tokens``;
+  ``max_completion_tokens`` wins over its deprecated ``max_tokens``; ``return_token_ids``
+  adds each choice's generated ids (``token_ids``, per chunk when streamed) as vLLM does;
 - fields vLLM knows that this server does not implement (``echo``, ``suffix``, ``best_of``
   other than ``n``, tools, ``response_format`` other than text, guided decoding, beam
   search, ...) are refused with 400 naming the field, unless they hold their neutral value
@@ -176,6 +177,7 @@ class _Common(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[Text, Field(min_length=1)] | None = None
+    return_token_ids: bool = False
     # vLLM knows these; this server does not implement them
     use_beam_search: Annotated[Any, _neutral(False)] = None
     length_penalty: Annotated[Any, _neutral(1.0)] = None
@@ -234,6 +236,7 @@ class _Common(_Strict):
             include_usage=include_usage,
             continuous_usage=continuous_usage,
             logprobs=logprobs, user=self.user, cache_salt=self.cache_salt,
+            return_token_ids=self.return_token_ids,
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             min_p=self.min_p, min_tokens=self.min_tokens,
@@ -393,6 +396,7 @@ class RequestOptions:
     logprobs: int | None = None     # top alternatives per token; None = no logprobs
     user: str | None = None
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's: the generated ids in every choice (and chunk)
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

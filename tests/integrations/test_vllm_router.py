@@ -148,7 +148,7 @@ def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) 
             for choice in json.loads(line[6:]).get("choices", []):
                 got += choice.get("token_ids") or []
             if killed is None and len(got) >= 8:
-                killed = next(s for s in (pd.consumer, second) if s.metric("vllm:num_requests_running") > 0)
+                killed = _serving((pd.consumer, second))
                 name = next(c.name for c in cluster.children if c.address == killed.url)
                 cluster.child(name).signal_group(signal.SIGKILL)   # the server and its engine core
     assert killed is not None
@@ -157,6 +157,17 @@ def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) 
     assert len(got) == n_out
     assert assert_same_greedy(got, theirs, margins) <= 1
     pd.consumer = second if killed is pd.consumer else pd.consumer
+
+
+def _serving(servers: tuple[VllmServer, ...]) -> VllmServer:
+    """The one of ``servers`` running a request now (vLLM's gauge, updated every step)."""
+    deadline = time.monotonic() + 10
+    while True:
+        busy = [s for s in servers if s.metric("vllm:num_requests_running") > 0]
+        if len(busy) == 1:
+            return busy[0]
+        assert time.monotonic() < deadline, f"{len(busy)} decode instances report a running request"
+        time.sleep(0.05)
 
 
 def _router_metric(pd: VllmPD, series: str) -> float:

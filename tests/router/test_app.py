@@ -4,6 +4,7 @@ mode and a fake worker; the official openai client talks to it unchanged."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -105,6 +106,32 @@ def test_openai_client_completions_chat_and_streaming(tokenizer_dir: Path, token
             assert [r.sampling.seed for r in fake.requests[-2:]] in ([7, 8], [8, 7])
             assert n2.choices[0].logprobs.token_logprobs == [-0.25] * 3
             assert "".join(n2.choices[0].logprobs.tokens) == n2.choices[0].text
+        await fake.stop()
+
+    _run(body)
+
+
+def test_return_token_ids_gives_the_generated_ids_whole_and_per_chunk(tokenizer_dir: Path, tokenizer) -> None:
+    """vLLM's ``return_token_ids``: ``token_ids`` in each choice, and in each streamed chunk
+    the ids that chunk's text came from (together, the whole output)."""
+    async def body() -> None:
+        fake = await _fake(tokenizer)
+        async with _router(tokenizer_dir, [fake]) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0}
+                whole = (await http.post("/v1/completions", json={**base, "return_token_ids": True})).json()
+                assert whole["choices"][0]["token_ids"] == fake.script
+                plain = (await http.post("/v1/completions", json=base)).json()
+                assert "token_ids" not in plain["choices"][0]
+                ids, text = [], ""
+                async with http.stream("POST", "/v1/completions",
+                                       json={**base, "stream": True, "return_token_ids": True}) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            for c in json.loads(line[6:])["choices"]:
+                                ids += c["token_ids"]
+                                text += c["text"]
+                assert ids == fake.script and text == ANSWER
         await fake.stop()
 
     _run(body)
