@@ -181,6 +181,8 @@ def test_up_refuses_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None
         resolve_model_dir(str(tmp_path))
     with pytest.raises(ValueError, match="decode worker"):
         ClusterSpec(decode=0)
+    with pytest.raises(ValueError, match="colocated mode needs at least one worker"):
+        ClusterSpec(mode="colocated", colocated=0)
 
 
 class _Impostor(http.server.BaseHTTPRequestHandler):
