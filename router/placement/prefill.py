@@ -2,7 +2,11 @@
 
 ``kv-aware`` picks the lowest estimated time to first token (``router.placement.cost``: queue
 + prefill of the uncached tokens + store load of the store-hit ones, device hits from the
-:class:`~router.workers.kv_index.KvIndex`, store hits counted by the caller);
+:class:`~router.workers.kv_index.KvIndex`, store hits counted by the caller); estimates within
+``NEAR_S`` or ``NEAR_REL`` of the lowest count as equal, and of those the worker holding the
+most of the prompt in its device cache wins (the estimates rest on costs learned from noisy
+timings: a difference below their noise must not move a prompt off the worker that holds it,
+duplicating its blocks in another cache);
 ``least-loaded`` picks the fewest queued+running requests; ``round-robin`` rotates. Ties
 break on worker id, so choices are deterministic. A failed prefill's retry goes to the other
 prefill worker with the least queued prefill (:func:`choose_retry`). ``auto`` mode prefills
@@ -24,6 +28,8 @@ __all__ = ["PrefillPolicyName", "PREFILL_POLICIES", "PrefillPolicy", "choose_ret
 
 PrefillPolicyName = Literal["kv-aware", "least-loaded", "round-robin"]
 PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("kv-aware", "least-loaded", "round-robin")
+NEAR_S = 0.02     # kv-aware: estimates within 20 ms of the lowest ...
+NEAR_REL = 0.1    # ... or within 10% of it are equal; then the most device hits wins
 
 
 class PrefillPolicy:
@@ -64,11 +70,11 @@ class PrefillPolicy:
         ttfts = ttft_each(candidates, num_tokens, depths, store_blocks)
         if self.name == "kv-aware":
             low = min(ttfts)
-            if ttfts.count(low) == 1:
-                i = ttfts.index(low)
-            else:  # equal estimates: the least loaded, then the lowest worker id
-                i = min((i for i, t in enumerate(ttfts) if t == low),
-                        key=lambda i: (candidates[i].load, ids[i]))
+            near = low + max(NEAR_S, NEAR_REL * low)
+            # equal estimates: the most device hits, the lowest estimate, the least loaded,
+            # then the lowest worker id
+            i = min((i for i, t in enumerate(ttfts) if t <= near),
+                    key=lambda i: (-depths[i], ttfts[i], candidates[i].load, ids[i]))
         else:
             i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
         best = candidates[i]

@@ -1,13 +1,14 @@
 """A real vLLM cluster for the tests of this package: ``kvrouter up --engine vllm``'s
 ``LocalCluster`` (etcd, one store daemon, a prefill and a decode vLLM OpenAI server with the
-store's KV connector, and the router in front), started once per session because each vLLM
-start costs about a minute here.
+store's KV connector, and the router in front), started once for this package's tests because
+each vLLM start costs about a minute here, and stopped when they are done (idle vLLM servers
+would otherwise share the CPUs with every later test).
 
-- ``vllm_pd`` (session): the cluster on the default model: ``producer`` (the prefill instance,
+- ``vllm_pd`` (package): the cluster on the default model: ``producer`` (the prefill instance,
   ``kv_role="kv_producer"``) and ``consumer`` (the decode instance, ``"kv_consumer"``), each
   registered in etcd by its connector once it served (the cluster waits for their ready
-  lines), warmed up with one short request, and the router (``router_url``) seeing both. At
-  the end of the session the cluster stops every child's process group. Skipped, naming what
+  lines), warmed up with one short request, and the router (``router_url``) seeing both. After
+  the package's last test the cluster stops every child's process group. Skipped, naming what
   is missing, where ``.venv-vllm/bin/python`` is absent (``bash scripts/setup_vllm.sh``).
 
 The servers require the cluster secret as their API key (``Authorization: Bearer``, on ``/v1``
@@ -43,7 +44,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_BLOCK = 32
 VLLM_MAX_MODEL_LEN = 4096
 VLLM_KV_BYTES = 1 << 30
-VLLM_THREADS = 2   # the tests mostly run one instance at a time: both CPUs for its prefill
+VLLM_THREADS = 1
 VLLM_START_TIMEOUT = 420.0  # both start at once on a small machine; one alone takes ~60 s
 
 
@@ -169,7 +170,7 @@ def registered(cluster: LocalCluster, worker_id: str) -> WorkerInfo:
     return WorkerInfo.from_etcd_value(worker_id, json.loads(raw))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPD]:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"the vLLM environment is not built ({VLLM_PYTHON} is absent): "

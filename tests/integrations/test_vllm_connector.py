@@ -1,4 +1,4 @@
-"""The store as vLLM's KV connector, with the real vLLM on the default model: the session's two
+"""The store as vLLM's KV connector, with the real vLLM on the default model: the package's two
 vLLM servers (``vllm_pd``: a producer and a consumer in separate processes, one store).
 
 One scenario, in the order a fleet meets it: the producer computes two ~2k-token prompts
@@ -8,7 +8,7 @@ counters and the connector's) and generates exactly the reference. The consumer,
 prefill's ``kv_transfer_params`` before the producer computed the prompt, waits for the blocks
 instead of recomputing them. Every text is also checked against transformers (the project's
 oracle: a divergence only at a near-tie, counted). The store killed under the instances:
-``test_vllm_router.py``'s last test (it leaves the session's cluster without a store).
+``test_vllm_router.py`` (which brings a fresh store back).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_openai_client_through_the_router_prefills_on_one_vllm_and_decodes_on_th
 
 
 def test_a_killed_store_is_a_miss_and_its_return_is_found(vllm_pd: VllmPD) -> None:
-    # The session's last vLLM test: it kills the store and brings a fresh one back.
+    # It kills the store and brings a fresh one back.
     from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 
     pd = vllm_pd
@@ -112,7 +112,7 @@ def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) 
     """A second decode instance joins (registered by its connector, found by the router in
     etcd); the instance streaming a request is killed after some tokens; the router resumes
     the stream on the other one (the prompt and the tokens so far as its prompt) and the
-    client gets transformers' greedy text, once. The survivor is the session's consumer from
+    client gets transformers' greedy text, once. The survivor is the cluster's consumer from
     then on."""
     from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 

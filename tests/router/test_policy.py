@@ -231,9 +231,11 @@ def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix(
     # is exact). The prompt is 325 tokens; b holds 16 blocks (256 tokens) on device.
     #   a: 0.020 + 325 / 1000           = 0.345 s
     #   b: queue + 0.020 + 69 / 1000    = queue + 0.089 s
-    # so b loses once its queue is over 0.256 s. One booked prefill of k tokens queues
-    # 0.020 + k / 1000 s: b loses past k = 236. A waiting request of another router's is
-    # costed at the mean measured size (200 tokens): 0.220 s, so one is fine, two are not.
+    # so b is slower once its queue is over 0.256 s, and loses once it is slower by more than
+    # the near-tie slack (10% of a's 0.345 s: 0.0345 s), over 0.2905 s. One booked prefill of
+    # k tokens queues 0.020 + k / 1000 s: b loses past k = 270. A waiting request of another
+    # router's is costed at the mean measured size (200 tokens): 0.220 s, so one is fine, two
+    # are not.
     rates = RateConfig(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.02)
     a, b = _worker("a", rates=rates), _worker("b", rates=rates)
     for w in (a, b):
@@ -245,7 +247,7 @@ def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix(
     assert worker is b and est.device_hit_tokens == 256 and est.uncached_tokens == 69
     assert est.ttft_s == pytest.approx(0.089)
     assert policy.estimates([a], KEYS, n)[0].ttft_s == pytest.approx(0.345)
-    for k, winner in ((230, b), (242, a)):
+    for k, winner in ((265, b), (276, a)):
         booking = b.assign(prefill_tokens=k)
         assert policy.choose([a, b], KEYS, n)[0] is winner, k
         booking.release()
