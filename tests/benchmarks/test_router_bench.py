@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.router_bench import build_workload, make_index, make_workers
-from router.placement.prefill import PrefillPolicy
+from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,8 +72,10 @@ def test_match_and_choice_agree_with_plain_references() -> None:
             n, store = len(keys) * 16 + rng.randint(0, 15), rng.randint(0, len(keys))
             ests = sorted(policy.estimates(cands, keys, n, store), key=lambda e: e.worker_id)
             load = {w.worker_id: w.load for w in cands}
-            if policy_name == "kv-aware":
-                want = min(ests, key=lambda e: (e.ttft_s, load[e.worker_id]))
+            if policy_name == "kv-aware":   # near-equal estimates: the most device hits first
+                low = min(e.ttft_s for e in ests)
+                near = [e for e in ests if e.ttft_s <= low + max(NEAR_S, NEAR_REL * low)]
+                want = min(near, key=lambda e: (-e.device_hit_tokens, e.ttft_s, load[e.worker_id]))
             else:
                 want = min(ests, key=lambda e: (load[e.worker_id], e.ttft_s))
             chosen, est = policy.choose(cands, keys, n, store)
