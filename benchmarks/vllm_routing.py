@@ -2,7 +2,8 @@
 
     python -m benchmarks.vllm_routing [--repeats 3] [--parts multi_turn,mixed] [--out DIR]
 
-One cluster, started once with ``kvrouter up --engine vllm --mode colocated --colocated 2``:
+One cluster, started once in this process as ``kvrouter up --engine vllm --mode colocated
+--colocated 2`` starts it (``LocalCluster``):
 etcd, a store daemon, two vLLM OpenAI servers (the default model, float32, one thread each,
 block size 32, each with the store's KV connector and vLLM's own KV events) and our router
 (``--policy kv-aware``). Beside it, on the very same two instances, ``vllm-router`` (PyPI's
@@ -16,8 +17,8 @@ last: the turns of a session hit the instance that holds its history, or recompu
 routers take turns: repeat ``r`` runs every part on ours then theirs, or theirs then ours on
 odd ``r``, with the same workload (seed ``--seed + r``). Before every run both instances'
 prefix caches are emptied (``POST /reset_prefix_cache``, vLLM's dev-mode endpoint; both
-routers get vLLM's ``AllBlocksCleared`` event) and the store daemon is restarted empty (the
-launcher restarts it; the connectors find the new one in etcd), so no run inherits another's
+routers get vLLM's ``AllBlocksCleared`` event) and the store daemon is stopped and started
+again, empty (the connectors find the new one in etcd), so no run inherits another's
 cache. The workload carries no ``cache_salt``: vllm-router's index skips blocks with extra
 keys.
 
@@ -51,6 +52,7 @@ import httpx
 from benchmarks import lifecycle
 from benchmarks.load_client import ClientConfig, fetch_model
 from benchmarks.serve_bench import measure_unloaded, run_point
+from engine.api.generate import WorkerInfo
 from planner.metrics import Slo
 from planner.workloads import ChatSpec, MixedSpec, TokenSpace, Workload
 
@@ -145,68 +147,57 @@ def bridge_replay(ipc: str) -> str:
 
 
 class Cluster:
-    """``kvrouter up`` (our router and the instances) and ``vllm-router`` beside it."""
+    """``kvrouter up``'s :class:`~router.cluster.launcher.LocalCluster` (our router and the
+    instances), run in this process, and ``vllm-router`` beside it."""
 
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
         from router.cluster.child import free_port
+        from router.cluster.launcher import ClusterSpec, LocalCluster
 
-        self.log_dir = out / "cluster"
-        self.up_log = open(out / "up.log", "w")
-        argv = [sys.executable, "-m", "router.cli", "up", "--engine", "vllm", "--mode", "colocated",
-                "--colocated", "2", "--policy", "kv-aware", "--port", str(free_port()),
-                "--vllm-kv-cache", args.kv_cache, "--vllm-block-size", "32", "--store-memory", "2G",
-                "--log-dir", str(self.log_dir), "--ready-timeout", "300"]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}   # POST /reset_prefix_cache
-        self.proc = lifecycle.popen(argv, stdout=self.up_log, stderr=self.up_log, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 600
-        while "The router is up at" not in (out / "up.log").read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvrouter up did not come up; see {out / 'up.log'}:\n"
-                                   + (out / "up.log").read_text()[-2000:])
-            time.sleep(0.5)
-        state = self.state()
-        self.router: str = state["router"]
-        self.secret = Path(state["secret_file"]).read_text().strip()
-        self.auth = {"Authorization": f"Bearer {self.secret}"}
-        self.workers = self._workers(state["etcd"], state["cluster"])
-        self.theirs = self._vllm_router(out, free_port())
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"   # the instances serve POST /reset_prefix_cache
+        spec = ClusterSpec(port=0, mode="colocated", colocated=2, policy="kv-aware", engine="vllm",
+                           vllm_kv_cache=args.kv_cache, vllm_block_size=32, store_memory="2G",
+                           log_dir=str(out / "cluster"), ready_timeout=300.0)
+        self.cluster = LocalCluster(spec, on_status=lambda line: print(f"[vllm_routing] {line}", file=sys.stderr))
+        self.their_proc: Any = None
+        try:
+            self.cluster.start()
+            assert self.cluster.router_url is not None and self.cluster.secret is not None
+            self.router: str = self.cluster.router_url
+            self.auth = {"Authorization": f"Bearer {self.cluster.secret}"}
+            self.workers = self._workers()
+            self.theirs = self._vllm_router(out, free_port(), free_port())
+        except BaseException:
+            self.stop()
+            raise
 
-    def state(self) -> dict[str, Any]:
-        for _ in range(100):   # rewritten atomically
-            try:
-                return json.loads((self.log_dir / "cluster.json").read_text())
-            except (OSError, ValueError):
-                time.sleep(0.05)
-        raise RuntimeError("kvrouter up's cluster.json is gone")
-
-    @staticmethod
-    def _workers(etcd_url: str, cluster: str) -> list[Any]:
-        from engine.api.generate import WorkerInfo
+    def _workers(self) -> list[WorkerInfo]:
         from kvstore.coord import layout
         from kvstore.coord.etcd import EtcdClient
 
-        with EtcdClient(etcd_url, timeout=2.0) as etcd:
-            items = etcd.get_prefix(layout.prefix(cluster, "workers"))[0]
+        assert self.cluster.etcd_url is not None
+        with EtcdClient(self.cluster.etcd_url, timeout=2.0) as etcd:
+            items = etcd.get_prefix(layout.prefix(self.cluster.spec.cluster, "workers"))[0]
         workers = [WorkerInfo.from_etcd_value(k.rsplit("/", 1)[1], json.loads(v)) for k, v in items.items()]
         if len(workers) != 2 or any(w.engine != "vllm" or not w.kv_events for w in workers):
             raise RuntimeError(f"expected two vLLM workers with KV events in etcd, found {workers}")
         return sorted(workers, key=lambda w: w.address)
 
-    def _vllm_router(self, out: Path, port: int) -> str:
+    def _vllm_router(self, out: Path, port: int, metrics_port: int) -> str:
         if not VLLM_ROUTER.exists():
             raise SystemExit(f"{VLLM_ROUTER} is missing: run scripts/setup_loadgen.sh")
         w0 = self.workers[0]
-        sources = {w.address: (bridge_events(w.kv_events), bridge_replay(w.kv_events_replay) if w.kv_events_replay
-                               else None) for w in self.workers}
+        assert self.cluster.secret is not None
         argv = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
-                "--worker-urls", *[w.address for w in self.workers], "--api-key", self.secret,
+                "--worker-urls", *[w.address for w in self.workers], "--api-key", self.cluster.secret,
                 "--kv-event-block-size", str(w0.block_size), "--kv-event-model", w0.model,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1 if port < 65535 else port - 1),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", "5"]
-        for address, (events, replay) in sources.items():
-            argv += ["--kv-event-source", f"{address}={events}"]
-            if replay:
-                argv += ["--kv-event-replay-source", f"{address}={replay}"]
+        for w in self.workers:
+            assert w.kv_events is not None
+            argv += ["--kv-event-source", f"{w.address}={bridge_events(w.kv_events)}"]
+            if w.kv_events_replay:
+                argv += ["--kv-event-replay-source", f"{w.address}={bridge_replay(w.kv_events_replay)}"]
         self.their_log = open(out / "vllm_router.log", "w")
         self.their_proc = lifecycle.popen(argv, stdout=self.their_log, stderr=self.their_log)
         url = f"http://127.0.0.1:{port}"
@@ -230,24 +221,21 @@ class Cluster:
         for w in self.workers:
             r = httpx.post(f"{w.address}/reset_prefix_cache", headers=self.auth, timeout=60)
             r.raise_for_status()
-        store = next(c for c in self.state()["children"].values() if c["kind"] == "store")
-        backs = self.up_log_text().count("store back (")
-        lifecycle.kill_pid(store["pid"])
+        store = self.cluster.child("store")
+        self.cluster.stop_child("store")
+        self.cluster.respawn(store)
         deadline = time.monotonic() + 90
-        while self.up_log_text().count("store back (") == backs:   # the launcher's word: it serves again
+        while not self.cluster.is_ready(store):
             if time.monotonic() > deadline:
                 raise RuntimeError("the store daemon did not come back")
             time.sleep(0.3)
         time.sleep(3.0)   # the connectors' next lookup finds it through etcd
 
-    def up_log_text(self) -> str:
-        return Path(self.up_log.name).read_text()
-
     def stop(self) -> None:
-        lifecycle.stop(self.their_proc, 10)
-        lifecycle.stop(self.proc, 60)
-        self.up_log.close()
-        self.their_log.close()
+        if self.their_proc is not None:
+            lifecycle.stop(self.their_proc, 10)
+            self.their_log.close()
+        self.cluster.stop()
 
 
 def delta(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, Any]:
