@@ -48,6 +48,12 @@ def usage_json(prompt_tokens: int, completion_tokens: int,
     return usage
 
 
+def _with_ids(choice: dict[str, Any], token_ids: Sequence[int] | None) -> dict[str, Any]:
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
 class ResponseFormatter:
     """Builds one request's response objects (see the module docstring)."""
 
@@ -76,11 +82,15 @@ class ResponseFormatter:
         return body
 
     def choice(self, index: int, text: str, finish_reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, token_ids: Sequence[int] | None = None
+               ) -> dict[str, Any]:
+        """``token_ids`` (vLLM's ``return_token_ids``): the generated ids, when given."""
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {"index": index, "message": {"role": "assistant", "content": text},
+                   "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return _with_ids(out, token_ids)
 
     # --- stream chunks --------------------------------------------------------------------
 
@@ -91,13 +101,16 @@ class ResponseFormatter:
              "finish_reason": None}])
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, token_ids: Sequence[int] | None = None
+              ) -> dict[str, Any]:
+        """``token_ids``: this chunk's generated ids, when given (as :meth:`choice`)."""
         if self.kind == "chat":
             delta = {"content": text} if text or finish_reason is None else {}
-            return self._envelope("chat.completion.chunk", [
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
-        return self._envelope("text_completion", [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+            return self._envelope("chat.completion.chunk", [_with_ids(
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason},
+                token_ids)])
+        return self._envelope("text_completion", [_with_ids(
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, token_ids)])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

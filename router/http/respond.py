@@ -86,10 +86,8 @@ async def _unless_disconnected(http: Request, work: Awaitable[T]) -> T:
 
 def _choice_json(fmt: ResponseFormatter, r: ChoiceResult, options: RequestOptions) -> dict[str, Any]:
     logprobs = fmt.logprobs(r.token_ids, r.logprobs) if r.logprobs is not None else None
-    choice = fmt.choice(r.index, r.text, r.finish_reason, logprobs)
-    if options.return_token_ids:
-        choice["token_ids"] = list(r.token_ids)
-    return choice
+    return fmt.choice(r.index, r.text, r.finish_reason, logprobs,
+                      r.token_ids if options.return_token_ids else None)
 
 
 def _cached_tokens(stats: dict[int, RequestStats], n: int) -> int:
@@ -160,10 +158,9 @@ async def stream(state: AppState, fmt: ResponseFormatter, kind: str,
                         or (options.return_token_ids and item.token_ids)):
                     lps = (fmt.logprobs(item.token_ids, item.logprobs, item.text_offset)
                            if item.logprobs else None)
-                    chunk = fmt.chunk(item.index, item.text, item.finish_reason, lps)
-                    if options.return_token_ids:
-                        chunk["choices"][0]["token_ids"] = list(item.token_ids)
-                    yield sse(with_usage(chunk, item.index))
+                    ids = item.token_ids if options.return_token_ids else None
+                    yield sse(with_usage(fmt.chunk(item.index, item.text, item.finish_reason, lps, ids),
+                                         item.index))
         if options.include_usage and status == "200":
             usage = usage_json(prompt_tokens, sum(generated), _cached_tokens(stats, options.n))
             yield sse(fmt.usage_chunk(usage))

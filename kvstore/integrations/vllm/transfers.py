@@ -163,7 +163,8 @@ class Transfers:
                 if spec is None:
                     return
                 if spec.wait_s > 0:
-                    waiting.append((time.monotonic(), time.monotonic() + spec.wait_s, spec))
+                    since = time.monotonic()
+                    waiting.append((since, since + spec.wait_s, spec))
                 else:
                     self._run_load(spec)
             now = time.monotonic()
