@@ -160,14 +160,16 @@ def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) 
 
 
 def _serving(servers: tuple[VllmServer, ...]) -> VllmServer:
-    """The one of ``servers`` running a request now (vLLM's gauge, updated every step)."""
+    """The one of ``servers`` generating now: its generated-token counter grows (vLLM's running
+    gauge is no witness: an instance that went idle keeps its last value)."""
     deadline = time.monotonic() + 10
     while True:
-        busy = [s for s in servers if s.metric("vllm:num_requests_running") > 0]
+        before = [s.metric("vllm:generation_tokens_total") for s in servers]
+        time.sleep(0.3)
+        busy = [s for s, b in zip(servers, before) if s.metric("vllm:generation_tokens_total") > b]
         if len(busy) == 1:
             return busy[0]
-        assert time.monotonic() < deadline, f"{len(busy)} decode instances report a running request"
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, f"{len(busy)} decode instances are generating"
 
 
 def _router_metric(pd: VllmPD, series: str) -> float:
