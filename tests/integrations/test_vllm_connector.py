@@ -44,7 +44,8 @@ def _generate(pd: VllmPD, server: VllmServer, prompt: list[int], **extra: Any) -
 
 def _counts(server: VllmServer) -> dict[str, float]:
     return {**server.prompt_tokens_by_source(),
-            "loaded_blocks": server.metric("vllm:kvstore_loaded_blocks_total")}
+            **{k: server.metric(f"vllm:kvstore_{k}_total")
+               for k in ("loaded_blocks", "failed_blocks", "waited_s", "saved_blocks", "store_errors")}}
 
 
 def _grew(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -86,12 +87,17 @@ def test_two_vllm_instances_share_blocks_through_the_store(vllm_pd: VllmPD) -> N
     decode = threading.Thread(target=lambda: result.update(
         tokens=_generate(pd, pd.consumer, p[2], kv_transfer_params=handed)))
     before = _counts(pd.consumer)
+    produced = _counts(pd.producer)
+    t0 = time.monotonic()
     decode.start()
     time.sleep(1.0)   # the decode is waiting in its load before the prefill starts
     prefill = _generate(pd, pd.producer, p[2])
+    t_prefill = time.monotonic() - t0
     decode.join(300)
     after = _counts(pd.consumer)
-    assert _grew(before, after, "local_compute") < bs
+    seen = (f"prefill done after {t_prefill:.1f} s, decode after {time.monotonic() - t0:.1f} s; "
+            f"consumer {before} -> {after}; producer {produced} -> {_counts(pd.producer)}")
+    assert _grew(before, after, "local_compute") < bs, seen
     assert result["tokens"] == prefill
 
     near_ties = _check_oracle(pd, p[:3], [*hit, result["tokens"]])
