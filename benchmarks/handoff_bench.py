@@ -99,7 +99,6 @@ def role(argv: list[str]) -> None:
         t0 = time.perf_counter()
         if side == "prefill":
             rid = f"r{cmd['round']}"
-            conn.require_save(rid, handoff=cmd["mode"] == "local")
             node = cc.local_node_id if cmd["mode"] == "local" else None
             conn.save_blocks(keys, ids, request_id=rid, node=node)
             result = conn.flush(rid).result(timeout=120)

@@ -24,6 +24,8 @@ class EngineConfig:
       prompt is prefilled whole in one step, so it must fit the budget on its own.
     - ``enable_prefix_caching``: reuse device blocks under their kvstore keys.
     - ``max_model_len``: context window; None means the model's ``max_position_embeddings``.
+    - ``kv_load_timeout_s``: a store load not done by then is abandoned and its request
+      computes instead (``engine.core.scheduler``).
     """
 
     num_blocks: int = 512
@@ -35,12 +37,17 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str | None = None
     device: str | None = None
+    kv_load_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.kv_load_timeout_s, bool) or not (
+                isinstance(self.kv_load_timeout_s, (int, float)) and self.kv_load_timeout_s > 0):
+            raise ValueError(f"EngineConfig.kv_load_timeout_s must be a positive number of seconds, "
+                             f"got {self.kv_load_timeout_s!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len <= 0
         ):

@@ -47,7 +47,7 @@ from engine.api.generate import FinishReason, TokenLogprob
 from engine.core.block_manager import BlockManager, KVEvent
 from engine.core.config import EngineConfig
 from engine.core.connector_api import EngineConnector
-from engine.core.request import Request, RequestProgress
+from engine.core.request import Request, RequestKV, RequestProgress
 from engine.core.sampling import SamplerOutput, SamplingParams, sample, with_seed
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from kvstore.keys import BlockKey, namespace_id, salted
@@ -85,6 +85,7 @@ class RequestOutput:
     finish_reason: FinishReason | None  # once finished
     seed: int | None
     stats: RequestProgress
+    kv: RequestKV
 
 
 @dataclass
@@ -151,6 +152,7 @@ class LLMEngine:
         )
         self._pending: list[RequestOutput] = []
         self._generate_calls = itertools.count()
+        self._idle_step = False
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -164,8 +166,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         block_keys: Sequence[BlockKey] | None = None,
+        kv: RequestKV | None = None,
     ) -> SamplingParams:
-        """Queue a request; returns its parameters with the seed it will sample with."""
+        """Queue a request; returns its parameters with the seed it will sample with.
+        ``kv``: what the connector does for it (saved, handed off, loaded from where)."""
         params = params if params is not None else SamplingParams()
         self._validate(request_id, prompt_token_ids, output_token_ids, params)
         req = Request(
@@ -179,6 +183,8 @@ class LLMEngine:
         )
         if block_keys is not None:
             self._check_keys(req, block_keys, cache_salt)
+        if kv is not None:
+            req.kv = kv
         self.scheduler.add(req)
         return req.sampling_params
 
@@ -208,12 +214,30 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def num_loading(self) -> int:
+        """Requests parked while the connector loads their KV."""
+        return len(self.scheduler.loading)
+
+    @property
+    def waiting_on_io(self) -> bool:
+        """The last step computed nothing and some request waits on the connector's I/O (a
+        lookup's answer or a load): nothing to do until :meth:`wait_for_io` returns."""
+        return self._idle_step and self.scheduler.io_waits > 0
+
+    def wait_for_io(self, timeout: float) -> None:
+        """Sleep until the connector's lookup or load ends (at most ``timeout`` seconds)."""
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.wait(timeout)
+
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of every request that produced a token or ended."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        self._idle_step = not plan.chunks
         if not plan.chunks:
             return outputs
         logits = self.runner.execute(self._step_items(plan))
@@ -242,6 +266,8 @@ class LLMEngine:
         for (rid, _), prompt, p in zip(results.items(), prompts, params, strict=True):
             self.add_request(rid, prompt, p)
         while self.has_unfinished():
+            if self.waiting_on_io:
+                self.wait_for_io(0.1)
             for out in self.step():
                 done = results.get(out.request_id)
                 if done is None:
@@ -271,6 +297,7 @@ class LLMEngine:
             req.finish_reason,
             req.sampling_params.seed,
             req.stats,
+            req.kv,
         )
 
     def _check_keys(self, req: Request, given: Sequence[BlockKey], salt: str | None) -> None:

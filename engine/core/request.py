@@ -25,13 +25,51 @@ from dataclasses import dataclass, field
 from engine.api.generate import FinishReason, SamplingParams, TokenLogprob
 from kvstore.keys import BlockKey, block_keys, extend_block_keys
 
-__all__ = ["RequestStatus", "RequestProgress", "Request"]
+__all__ = ["RequestStatus", "RequestKV", "LoadTally", "RequestProgress", "Request"]
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"   # its blocks are allocated; the store is loading them
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class RequestKV:
+    """What the KV connector does for one request, carried on it (vLLM carries its
+    ``kv_transfer_params`` the same way): written by the worker when the request arrives and
+    by the scheduler as its loads end; read by the connector.
+
+    - ``save``: put its new full blocks to the store even when the connector does not save
+      every request (a prefill for a decode elsewhere); ``handoff``: to this host's store node.
+    - ``source``: the store node its prefill handed its blocks to (loaded from there first).
+    - ``load``: its loads so far, summed over admissions (a preempted request loads again).
+    - ``store_failed``: a load of it timed out: it computes from now on, never asks again.
+    """
+
+    save: bool = False
+    handoff: bool = False
+    source: str | None = None
+    load: LoadTally = field(default_factory=lambda: LoadTally())
+    store_failed: bool = False
+
+
+@dataclass
+class LoadTally:
+    """Store loads of one request: ``loaded`` leading blocks verified in the cache of the
+    ``requested``; ``missing``/``corrupt`` ended a run; ``bytes`` and busy ``seconds``."""
+
+    loaded: int = 0
+    requested: int = 0
+    missing: int = 0
+    corrupt: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: LoadTally) -> None:
+        for name in ("loaded", "requested", "missing", "corrupt", "bytes", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
@@ -40,7 +78,7 @@ class RequestProgress:
 
     Token counters sum over admissions (a preempted request is admitted again):
     ``computed_prompt_tokens`` are initial tokens this engine computed, ``device_hit_tokens``
-    came from its own prefix cache, ``external_hit_tokens`` were loaded by the connector.
+    came from its own prefix cache, ``store_hit_tokens`` were loaded from the store.
     """
 
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -49,7 +87,7 @@ class RequestProgress:
     finished_time: float | None = None
     computed_prompt_tokens: int = 0
     device_hit_tokens: int = 0
-    external_hit_tokens: int = 0
+    store_hit_tokens: int = 0
     num_preemptions: int = 0
 
     @property
@@ -104,6 +142,7 @@ class Request:
             extend_block_keys(namespace, prefix_keys, self.token_ids, block_size) if prefix_keys
             else block_keys(namespace, self.token_ids, block_size))
         self.stats = RequestProgress()
+        self.kv = RequestKV()
         if arrival_time is not None:
             self.stats.arrival_time = arrival_time
 

@@ -23,50 +23,59 @@ Data path (keys and block ids; usable without an engine):
   with the next step's compute. ``flush(request_id)`` returns a future resolving to that
   request's ``SaveResult`` once every save queued for it so far is acknowledged or has failed.
 
-Handoff (``engine.kv.handoff`` is the spec): a request marked with ``require_save(rid,
-handoff=True)`` (phase "prefill") has its blocks put to this host's store node, not their
-owners, and ``flush`` names that node (``SaveResult.node``); a request given
-``set_source(rid, node)`` (a decode after such a prefill) looks its blocks up and loads them
-from that node first, the rest from the owners.
+Handoff (``engine.kv.handoff`` is the spec): a request whose ``Request.kv`` says ``save``
+and ``handoff`` (phase "prefill") has its blocks put to this host's store node, not their
+owners, and ``flush`` names that node (``SaveResult.node``); a request whose ``kv.source``
+names a node (a decode after such a prefill) looks its blocks up and loads them from that node
+first, the rest from the owners.
 
-Engine side: the methods of ``engine.core.connector_api.EngineConnector`` (``get_num_external_hits``,
-``load``, ``save``, ``request_finished``) map a ``Request`` onto the data path and keep a
-per-request tally (``take_load_result``) for the request's final stats. Which requests save
-is a policy: ``save_all`` (every request, e.g. a prefill or colocated worker) or only the ones
-marked with ``require_save`` (a request in phase "prefill" on any worker).
+Engine side: ``engine.core.connector_api.EngineConnector``. Lookups (``lookup_ahead``,
+``get_num_external_hits``) run on a lookup thread with ``lookup_client``, loads
+(``start_load``) on a loader thread with ``client``: the engine thread only hands work over
+and collects what ended (``finished_loads``), so a running batch never waits for a prompt's
+KV. On CUDA the loader copies on a side stream; the engine's stream waits for its event when
+the load is collected. Which requests save is a policy: ``save_all`` (every request, e.g. a
+prefill or colocated worker) or only those whose ``kv.save`` is set. ``on_ready``, when set,
+is called (on an I/O thread) each time a lookup or load ends: a worker loop asleep on its
+inbox wakes up.
 
-Threads: ``lookup``/``load*``/``save*``/``flush`` run on the engine thread; only the saver
-thread uses ``save_client`` (pass a separate one when the client is not thread-safe).
+Threads: ``lookup``/``load_blocks`` (the synchronous data path) run on the caller's thread;
+``save_blocks``/``flush`` on the engine thread; only the saver thread uses ``save_client``.
+A ``Client`` serializes its calls, so give the three threads separate clients (the worker
+does) or a lookup waits behind a load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from engine.core.connector_api import LoadDone
+from engine.core.request import LoadTally
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
 from engine.kv.scatter import cache_slots, direct
 from engine.kv.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
-from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel
-from kvstore.errors import CorruptBlock, KVStoreError
+from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel, verify_rows
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.native.blocks import VERIFY_CODES
 
 if TYPE_CHECKING:
     from engine.core.request import Request
 
-__all__ = ["ConnectorStats", "LoadResult", "SaveResult", "KVStoreConnector", "torch_dtype_name"]
+__all__ = ["ConnectorStats", "LoadTally", "SaveResult", "KVStoreConnector", "torch_dtype_name"]
 
 log = logging.getLogger(__name__)
 
@@ -106,18 +115,6 @@ class ConnectorStats:
         return asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """One ``load``: ``loaded`` leading blocks landed in the cache, verified."""
-
-    loaded: int
-    requested: int
-    missing: int = 0
-    corrupt: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
 class KVStoreConnector:
     """Loads store hits into, and saves new full blocks from, one paged KV cache tensor.
 
@@ -130,12 +127,16 @@ class KVStoreConnector:
         kv_cache: torch.Tensor,
         *,
         save_client: StoreClient | None = None,
+        lookup_client: StoreClient | None = None,
         save_all: bool = True,
         load_enabled: bool = True,
         max_batch_bytes: int = _MAX_BATCH_BYTES,
         load_threads: int | None = None,
         load_path: Literal["auto", "direct", "staged", "python"] = "auto",
+        io: Literal["threads", "inline"] = "threads",
     ) -> None:
+        """``io="inline"``: lookups and loads run on the engine thread as the scheduler asks
+        (the step waits for them; kept to measure what the I/O threads save)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
                 "kv_cache must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
@@ -143,6 +144,7 @@ class KVStoreConnector:
             )
         self.client = client
         self.save_client = save_client if save_client is not None else client
+        self.lookup_client = lookup_client if lookup_client is not None else client
         self.kv_cache = kv_cache
         self.block_shape: tuple[int, ...] = (
             kv_cache.shape[0], 2, *kv_cache.shape[3:]
@@ -158,16 +160,29 @@ class KVStoreConnector:
         self.save_all = save_all
         self.load_enabled = load_enabled
         self.stats = ConnectorStats()
-        self._must_save: set[str] = set()
-        self._handoff: set[str] = set()              # requests whose blocks stay on this host
-        self._sources: dict[str, str] = {}           # request -> node its blocks were handed to
+        self.on_ready: Callable[[], None] | None = None
+        if io not in ("threads", "inline"):
+            raise ValueError(f"io must be 'threads' or 'inline', got {io!r}")
+        self.inline = io == "inline"
         self._load_dir, self._save_dir = directory_of(client), directory_of(self.save_client)
+        self._lookup_dir = directory_of(self.lookup_client)
         self._placer = (Placer(self.save_client, self._save_dir)
                         if self._save_dir is not None else None)
-        self._loads: dict[str, LoadResult] = {}
         self._stats_lock = threading.Lock()
-        self._pool = StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
-        # Loads run one at a time on the engine thread: one buffer per size is enough.
+        # The I/O threads (started on first use) and what they hand back, under _io_lock.
+        self._io_lock = threading.Lock()
+        self._lookups: queue.SimpleQueue[tuple[str, list[BlockKey], str | None, int] | None] = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue[tuple[str, list[BlockKey], list[int], str | None] | None] = queue.SimpleQueue()
+        self._io_threads: list[threading.Thread] = []
+        self._asked: dict[str, int] = {}               # request -> first block of its pending lookup
+        self._answers: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
+        self._done: list[tuple[LoadDone, torch.cuda.Event | None]] = []
+        self._ready = threading.Event()
+        self._side_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        # Put rows (header + payload) for saves; a CUDA load's ring of payload rows.
+        self._pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda)
+        self._ring_pool = StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
+        # Loads run one at a time on the loader thread: one buffer per size is enough.
         self._load_pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
                                        keep_per_size=1)
         # A contiguous CPU cache loads through sinks that verify and scatter in one pass
@@ -177,76 +192,152 @@ class KVStoreConnector:
         if load_path == "python":
             self._scatter = None
         self._template = codec.header_template(self.dtype_name, self.block_shape)
-        self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool, self.stats,
-                            self._stats_lock, dtype_name=self.dtype_name,
+        self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool,
+                            dtype_name=self.dtype_name,
                             block_shape=self.block_shape, payload_bytes=self.payload_bytes,
                             encoded_bytes=self.encoded_bytes, max_batch_blocks=self.max_batch_blocks)
         self._closed = False
 
     # --- the engine's EngineConnector protocol (engine thread) --------------------------------
 
-    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
-        """Tokens after the device hits whose blocks the store holds (whole blocks)."""
+    def lookup_ahead(self, req: Request) -> None:
+        if self.load_enabled and not self.inline:
+            self._ask(req.request_id, req.block_keys, req.kv.source, 0)
+
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int | None:
+        """Tokens after the device hits whose blocks the store holds (whole blocks); None
+        while the lookup thread has not answered. An answer is used once."""
         if not self.load_enabled:
             return 0
-        start = num_device_hit_tokens // self.block_size
-        return self.lookup(req.block_keys[start:], self._sources.get(req.request_id)) * self.block_size
+        rid, start = req.request_id, num_device_hit_tokens // self.block_size
+        with self._io_lock:
+            answer = self._answers.pop(rid, None)
+            pending = self._asked.get(rid)
+        if answer is not None and answer[0] <= start:
+            first, held = answer
+            return max(0, first + held - start) * self.block_size
+        if pending is None or pending > start:
+            self._ask(rid, req.block_keys[start:], req.kv.source, start)
+            if self.inline:
+                return self.get_num_external_hits(req, num_device_hit_tokens)
+        return None
 
-    def load(self, req: Request, block_ids: Sequence[int]) -> int:
-        """Load ``req``'s blocks from index ``num_computed_tokens // block_size`` on."""
+    def _ask(self, rid: str, keys: Sequence[BlockKey], source: str | None, first: int) -> None:
+        if self.inline:
+            held = self.lookup(keys, source, client=self.lookup_client, directory=self._lookup_dir)
+            with self._io_lock:
+                self._answers[rid] = (first, held)
+            return
+        self._start_io()
+        with self._io_lock:
+            self._asked[rid] = first
+        self._lookups.put((rid, list(keys), source, first))
+
+    def start_load(self, req: Request, block_ids: Sequence[int]) -> None:
         start = req.num_computed_tokens // self.block_size
-        this = self.load_blocks(req.block_keys[start : start + len(block_ids)], block_ids,
-                                self._sources.get(req.request_id))
-        prev = self._loads.get(req.request_id)
-        # Loaded again after a preemption: the request's tally sums both.
-        self._loads[req.request_id] = (this if prev is None else LoadResult(
-            *(a + b for a, b in zip(astuple(prev), astuple(this)))))
-        return this.loaded
+        job = (req.request_id, list(req.block_keys[start : start + len(block_ids)]),
+               list(block_ids), req.kv.source)
+        if self.inline:
+            tally = self.load_blocks(job[1], job[2], job[3])
+            with self._io_lock:
+                self._done.append((LoadDone(req.request_id, tally), None))
+            return
+        self._start_io()
+        self._loads.put(job)
 
-    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
-        if self.save_all or req.request_id in self._must_save:
+    def finished_loads(self) -> list[LoadDone]:
+        with self._io_lock:
+            done, self._done = self._done, []
+            self._ready.clear()
+        if self._side_stream is not None:
+            stream = torch.cuda.current_stream(self.kv_cache.device)
+            for _, event in done:
+                if event is not None:  # the engine's next kernels read what the loader copied
+                    stream.wait_event(event)
+        return [d for d, _ in done]
+
+    def wait(self, timeout: float) -> None:
+        self._ready.wait(timeout)
+
+    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey],
+             held: bool = False) -> None:
+        if self.save_all or req.kv.save:
             node = (self._save_dir.local_node_id if self._save_dir is not None
-                    and req.request_id in self._handoff else None)
-            self.save_blocks(keys, block_ids, request_id=req.request_id, node=node)
+                    and req.kv.handoff else None)
+            self.save_blocks(keys, block_ids, request_id=req.request_id, node=node, recheck=held)
 
     def request_finished(self, req: Request) -> None:
-        self._forget_marks(req.request_id)
+        with self._io_lock:
+            self._asked.pop(req.request_id, None)
+            self._answers.pop(req.request_id, None)
 
-    def require_save(self, request_id: str, handoff: bool = False) -> None:
-        """Save this request's blocks even when ``save_all`` is off (a phase="prefill" request);
-        ``handoff``: to this host's node, for the decode worker to read (module docstring)."""
-        self._must_save.add(request_id)
-        if handoff:
-            self._handoff.add(request_id)
+    # --- the I/O threads -----------------------------------------------------------------------
 
-    def set_source(self, request_id: str, node: str) -> None:
-        """Look up and load this request's blocks from ``node`` first (a handoff's source)."""
-        self._sources[request_id] = node
+    def _start_io(self) -> None:
+        if self._io_threads or self._closed:
+            return
+        self._io_threads = [threading.Thread(target=self._lookup_loop, name="kv-lookup", daemon=True),
+                            threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)]
+        for t in self._io_threads:
+            t.start()
 
-    def take_load_result(self, request_id: str) -> LoadResult:
-        """The request's summed loads, forgotten afterwards (call once it has finished)."""
-        self._forget_marks(request_id)
-        return self._loads.pop(request_id, None) or LoadResult(0, 0)
+    def _lookup_loop(self) -> None:
+        while (job := self._lookups.get()) is not None:
+            rid, keys, source, first = job
+            held = self.lookup(keys, source, client=self.lookup_client, directory=self._lookup_dir)
+            with self._io_lock:
+                if self._asked.get(rid) != first:
+                    continue  # finished meanwhile, or asked again from another block
+                del self._asked[rid]
+                self._answers[rid] = (first, held)
+                self._ready.set()
+            self._notify()
 
-    def _forget_marks(self, request_id: str) -> None:
-        self._must_save.discard(request_id)
-        self._handoff.discard(request_id)
-        self._sources.pop(request_id, None)
+    def _load_loop(self) -> None:
+        while (job := self._loads.get()) is not None:
+            rid, keys, block_ids, source = job
+            event = None
+            try:
+                if self._side_stream is not None:
+                    with torch.cuda.stream(self._side_stream):
+                        tally = self.load_blocks(keys, block_ids, source)
+                        event = torch.cuda.Event()
+                        event.record(self._side_stream)
+                else:
+                    tally = self.load_blocks(keys, block_ids, source)
+            except Exception:  # never let one load stop the thread: its blocks are recomputed
+                log.exception("store load of %d blocks failed, recomputing them", len(keys))
+                tally = LoadTally(0, len(keys))
+            with self._io_lock:
+                self._done.append((LoadDone(rid, tally), event))
+                self._ready.set()
+            self._notify()
 
-    # --- lookup and load (engine thread) -----------------------------------------------------
+    def _notify(self) -> None:
+        callback = self.on_ready
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                log.exception("the connector's on_ready callback failed")
 
-    def lookup(self, keys: Sequence[BlockKey], source: str | None = None) -> int:
+    # --- lookup and load (the caller's thread: the I/O threads, or a script) -------------------
+
+    def lookup(self, keys: Sequence[BlockKey], source: str | None = None, *,
+               client: StoreClient | None = None, directory: Any = None) -> int:
         """How many leading ``keys`` the store holds (0 when it cannot be reached); with
         ``source``, that node's leading run continued by the owners'."""
         if not keys:
             return 0
+        client = client if client is not None else self.client
+        directory = directory if directory is not None else self._load_dir
         try:
             n = 0
-            if (src := source_client(self._load_dir, source)) is not None:
+            if (src := source_client(directory, source)) is not None:
                 with contextlib.suppress(KVStoreError):
                     n = int(src.prefix_len(list(keys)))
             if n < len(keys):
-                n += int(self.client.prefix_len(list(keys[n:])))
+                n += int(client.prefix_len(list(keys[n:])))
         except KVStoreError as exc:
             log.warning("store lookup failed, treating as a miss: %s", exc)
             with self._stats_lock:
@@ -258,14 +349,14 @@ class KVStoreConnector:
         return n
 
     def load_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
-                    source: str | None = None) -> LoadResult:
+                    source: str | None = None) -> LoadTally:
         """Fetch ``keys`` into cache blocks ``block_ids`` (from node ``source`` first, if
         given); return the verified leading run."""
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         n = len(keys)
         if n == 0:
-            return LoadResult(0, 0)
+            return LoadTally(0, 0)
         t0 = time.perf_counter()
         buf = self._load_pool.take(n)  # pinned on CUDA; rows past n are unused
         # An exception leaves the buffer to the garbage collector (torch's pinned allocator
@@ -283,7 +374,7 @@ class KVStoreConnector:
             self.stats.load_s += seconds
             self.stats.missing_blocks += missing
             self.stats.corrupt_blocks += corrupt
-        return LoadResult(good, n, missing=missing, corrupt=corrupt, bytes=nbytes, seconds=seconds)
+        return LoadTally(good, n, missing=missing, corrupt=corrupt, bytes=nbytes, seconds=seconds)
 
     def _get(self, keys: list[BlockKey], dests: list[Any], source: str | None) -> list[bool]:
         """``client.get``, but from node ``source`` first and only its misses from the owners."""
@@ -313,7 +404,7 @@ class KVStoreConnector:
         rows: torch.Tensor | None = None
         copy_rows: Callable[[int, int], None] | None = None
         if not self._direct:  # a pinned ring of payload rows, sent on in groups
-            ring = rows = self._pool.take(n)
+            ring = rows = self._ring_pool.take(n)
             ids = torch.tensor(list(block_ids), dtype=torch.long).to(self.kv_cache.device)
 
             def send(a: int, b: int) -> None:
@@ -344,7 +435,7 @@ class KVStoreConnector:
             if self.kv_cache.is_cuda:  # the ring is reused once its last copy is done
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.kv_cache.device))
-            self._pool.give(rows, ready)
+            self._ring_pool.give(rows, ready)
         if failed:
             return 0, n, 0, ready
         if bad < 0:
@@ -370,24 +461,7 @@ class KVStoreConnector:
             with self._stats_lock:
                 self.stats.store_errors += 1
             return 0, n, 0, None
-        good, missing, corrupt = 0, 0, 0
-        for i in range(n):
-            if not found[i]:
-                missing = 1
-                break
-            try:
-                header, _ = codec.decode(rows[i], expected_key=keys[i])
-            except CorruptBlock as exc:
-                log.warning("block %s failed verification, recomputing it: %s", keys[i].hex(), exc)
-                corrupt = 1
-                break
-            if header.dtype != self.dtype_name or header.shape != self.block_shape:
-                log.warning("block %s is %s%s, this cache holds %s%s; recomputing it",
-                            keys[i].hex(), header.dtype, list(header.shape),
-                            self.dtype_name, list(self.block_shape))
-                corrupt = 1
-                break
-            good += 1
+        good, missing, corrupt = verify_rows(rows, keys, found, self.dtype_name, self.block_shape)
         if not good:
             return good, missing, corrupt, None
         payload = buf[:good, codec.HEADER_SIZE:].view(self.dtype).view(good, *self.block_shape)
@@ -408,12 +482,15 @@ class KVStoreConnector:
     # --- save (engine thread enqueues, saver thread puts) ------------------------------------
 
     def save_blocks(self, keys: Sequence[BlockKey], block_ids: Sequence[int],
-                    request_id: str | None = None, node: str | None = None) -> None:
+                    request_id: str | None = None, node: str | None = None,
+                    recheck: bool = False) -> None:
         """Queue cache blocks ``block_ids`` for the store under ``keys`` (to node ``node``, a
-        handoff, when given and reachable; else to their owners).
+        handoff, when given and reachable; else to their owners). ``recheck``: the store
+        likely holds them (device hits): put only those it lacks.
 
-        The blocks are copied before this returns; encoding and the put happen on the saver
-        thread. Failures are counted (and reported by ``flush``), never raised here.
+        The blocks are copied once, into the payloads of put rows, before this returns; the
+        headers and the put happen on the saver thread. Failures are counted (and reported by
+        ``flush``), never raised here.
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -423,14 +500,15 @@ class KVStoreConnector:
             raise RuntimeError("KVStoreConnector is closed")
         n = len(keys)
         buf = self._pool.take(n)
-        staged = buf[:n]
+        payload = buf[:n, codec.HEADER_SIZE:].view(self.dtype).view(n, *self.block_shape)
         if self.kv_cache.is_cuda:  # gather on the device, then one copy to the host
             ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
-            staged.copy_(self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5))
-        else:  # strided per-block copies straight into the staging rows (no temporary)
+            payload.copy_(self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5))
+        else:  # strided per-block copies straight into the put rows (no temporary)
             for i, b in enumerate(block_ids):
-                staged[i].copy_(self.kv_cache[:, :, b])
-        self._saver.put(SaveJob(request_id, list(keys), staged, buffer=buf, node=node))
+                payload[i].copy_(self.kv_cache[:, :, b])
+        self._saver.put(SaveJob(request_id, list(keys), buf[:n].numpy(), buffer=buf, node=node,
+                                recheck=recheck))
 
     def flush(self, request_id: str | None = None) -> Future[SaveResult]:
         """A future resolving to ``request_id``'s ``SaveResult`` once its queued saves are done.
@@ -440,15 +518,15 @@ class KVStoreConnector:
         """
         return self._saver.flush(request_id)
 
-    def forget(self, request_id: str | None) -> None:
-        """Drop the tally of a request nobody will flush (an abort)."""
-        self.flush(request_id)
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued saves (up to ``timeout``) and stop the saver thread."""
         if self._closed:
             return
         self._closed = True
+        self._lookups.put(None)
+        self._loads.put(None)
+        for t in self._io_threads:
+            t.join(timeout)
         self._saver.close(timeout)
         if self._placer is not None:
             self._placer.close(timeout)
@@ -456,7 +534,7 @@ class KVStoreConnector:
     def staging_allocations(self) -> int:
         """Host staging buffers allocated so far (pinned on CUDA). Loads and saves reuse pooled
         buffers, so this stops growing once each request size's power of two has been seen."""
-        return self._pool.allocations + self._load_pool.allocations
+        return self._pool.allocations + self._load_pool.allocations + self._ring_pool.allocations
 
     @property
     def placer_idle(self) -> bool:
@@ -466,6 +544,10 @@ class KVStoreConnector:
     def stats_snapshot(self) -> ConnectorStats:
         with self._stats_lock:
             out = ConnectorStats(**asdict(self.stats))
+        saved = self._saver.snapshot()
+        out.saved_blocks, out.saved_bytes, out.save_s = saved.saved_blocks, saved.saved_bytes, saved.save_s
+        out.save_failed_blocks, out.handoff_blocks = saved.save_failed_blocks, saved.handoff_blocks
+        out.store_errors += saved.store_errors
         if self._placer is not None:
             placed = self._placer.snapshot()
             out.placed_blocks, out.place_dropped_blocks = placed.placed_blocks, placed.dropped_blocks

@@ -1,17 +1,19 @@
 """The connector's saver: one thread that puts queued blocks to the store, in batches.
 
-``KVStoreConnector.save_blocks`` copies blocks out of the cache into a pooled staging buffer
-and queues them here (:meth:`Saver.put`); this thread skips the blocks the destination
-already holds, encodes the rest (``kvstore.codec``) and puts them in batches of at most
-``max_batch_blocks``, overlapped with the engine's next steps. A job's destination is the
+``KVStoreConnector.save_blocks`` copies blocks out of the cache once, straight into the
+payload of pooled put rows (``[HEADER_SIZE + payload]`` bytes each), and queues them here
+(:meth:`Saver.put`); this thread seals each row's header in place (``kvstore.codec.seal``:
+key, checksum) and puts the rows in batches of at most ``max_batch_blocks``: the client
+writes each row straight into its reserved slot. Only jobs marked ``recheck`` (device hits
+offered again, which the store usually holds) cost a ``contains`` round trip first; a put of
+a block the store holds is a no-op there. A job's destination is the
 blocks' owners, or one node (a handoff, ``engine.kv.handoff``): jobs for one destination are
 batched together; a handoff whose node cannot be reached or fails the put goes to the owners.
 Handed-off blocks are then offered to the ``Placer`` for their owners, off the request path.
 
 :meth:`Saver.flush` queues a marker that resolves, FIFO, once every save queued before it for
 that request is acknowledged or has failed, with the request's :class:`SaveResult`. Failures
-are counted in the connector's ``ConnectorStats`` (under its lock) and in the tally, never
-raised.
+are counted in the saver's own ``SaverStats`` and in the tally, never raised.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -34,10 +35,7 @@ from kvstore.client.api import StoreClient
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.keys import BlockKey
 
-if TYPE_CHECKING:
-    from engine.kv.connector import ConnectorStats
-
-__all__ = ["SaveResult", "SaveJob", "Saver"]
+__all__ = ["SaveResult", "SaveJob", "SaverStats", "Saver"]
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +53,29 @@ class SaveResult:
 
 
 @dataclass(slots=True)
+class SaverStats:
+    """The saver's cumulative counters."""
+
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    save_s: float = 0.0
+    save_failed_blocks: int = 0
+    store_errors: int = 0
+    handoff_blocks: int = 0        # put to this host's node for a decode elsewhere to read
+
+
+@dataclass(slots=True)
 class SaveJob:
-    """Blocks to put under ``keys``: ``staged`` is their ``[n, *block_shape]`` host copy, a
-    view of the pooled staging ``buffer`` (given back once the put is done)."""
+    """Blocks to put under ``keys``: ``rows`` are their encoded rows ``[n, HEADER_SIZE +
+    payload]`` (payloads filled, headers not yet), the first rows of the pooled ``buffer``
+    (given back once the put is done). ``recheck``: the store likely holds them already."""
 
     request_id: str | None
     keys: list[BlockKey]
-    staged: torch.Tensor
+    rows: np.ndarray
     buffer: torch.Tensor
     node: str | None = None        # put there (a handoff), not at the owners
+    recheck: bool = False
 
 
 @dataclass(slots=True)
@@ -85,11 +97,10 @@ class Saver:
     """The saver thread and its queue (module docstring); started on the first ``put``."""
 
     def __init__(self, client: StoreClient, directory: NodeDirectory | None, placer: Placer | None,
-                 pool: StagingPool, stats: ConnectorStats, lock: threading.Lock, *,
-                 dtype_name: str, block_shape: tuple[int, ...], payload_bytes: int,
-                 encoded_bytes: int, max_batch_blocks: int) -> None:
+                 pool: StagingPool, *, dtype_name: str, block_shape: tuple[int, ...],
+                 payload_bytes: int, encoded_bytes: int, max_batch_blocks: int) -> None:
         self.client, self.directory, self.placer, self.pool = client, directory, placer, pool
-        self.stats, self.lock = stats, lock
+        self.stats, self.lock = SaverStats(), threading.Lock()
         self.dtype_name, self.block_shape = dtype_name, block_shape
         self.payload_bytes, self.encoded_bytes = payload_bytes, encoded_bytes
         self.max_batch_blocks = max_batch_blocks
@@ -117,9 +128,11 @@ class Saver:
             self._queue.put(None)
             self._thread.join(timeout)
 
+    def snapshot(self) -> SaverStats:
+        with self.lock:
+            return SaverStats(**asdict(self.stats))
 
     def _run(self) -> None:
-        out = np.empty((self.max_batch_blocks, self.encoded_bytes), dtype=np.uint8)
         while True:
             item: SaveJob | _Flush | _Idle | None = self._queue.get()
             batch: list[SaveJob] = []
@@ -137,7 +150,7 @@ class Saver:
                 except queue.Empty:
                     item = _IDLE
             if batch:
-                self._put_batch(batch, out)
+                self._put_batch(batch)
                 for job in batch:
                     self.pool.give(job.buffer)
             if item is None:
@@ -147,7 +160,7 @@ class Saver:
                     result = self._per_request.pop(item.request_id, SaveResult())
                 item.done.set_result(result)
 
-    def _put_batch(self, batch: list[SaveJob], out: np.ndarray) -> None:
+    def _put_batch(self, batch: list[SaveJob]) -> None:
         # Jobs for one destination (the owners, or a handoff's node) go together; a single
         # job may exceed the batch limit: split it into chunks.
         for node in dict.fromkeys(job.node for job in batch):
@@ -163,11 +176,10 @@ class Saver:
                     group.append(chunks[i])
                     n += chunks[i][2] - chunks[i][1]
                     i += 1
-                if node is None or not self._put_group(group, out, node):
-                    self._put_group(group, out, None)
+                if node is None or not self._put_group(group, node):
+                    self._put_group(group, None)
 
-    def _put_group(self, group: list[tuple[SaveJob, int, int]], out: np.ndarray,
-                   node: str | None) -> bool:
+    def _put_group(self, group: list[tuple[SaveJob, int, int]], node: str | None) -> bool:
         """Put one group to the owners (``node`` None) or to ``node``. A handoff that cannot
         reach its node, or fails there, returns False having counted nothing: the caller
         puts the group to the owners instead."""
@@ -181,22 +193,20 @@ class Saver:
         sent: list[int] = []  # blocks shipped per group entry
         try:
             # Device-hit blocks are offered again in case the store lost them: send only those
-            # it lacks (one round trip instead of encoding and shipping the bytes).
-            present = client.contains(all_keys)
+            # it lacks (one round trip instead of sealing and shipping the bytes).
+            checked = [k for job, lo, hi in group if job.recheck for k in job.keys[lo:hi]]
+            present = iter(client.contains(checked) if checked else ())
             values: list[np.ndarray] = []
-            pos = 0
             for job, lo, hi in group:
                 sent.append(0)
-                raw = job.staged[lo:hi].view(torch.uint8).reshape(hi - lo, self.payload_bytes).numpy()
-                for j in range(hi - lo):
-                    if not present[pos]:
-                        row = out[len(keys)]
-                        codec.encode_into(row, job.keys[lo + j], self.dtype_name,
-                                          self.block_shape, raw[j])
-                        keys.append(job.keys[lo + j])
-                        values.append(row)
-                        sent[-1] += 1
-                    pos += 1
+                for j in range(lo, hi):
+                    if job.recheck and next(present):
+                        continue
+                    row = job.rows[j]
+                    codec.seal(row, job.keys[j], self.dtype_name, self.block_shape)
+                    keys.append(job.keys[j])
+                    values.append(row)
+                    sent[-1] += 1
             if keys and not all(held := client.put(keys, values)):
                 raise StoreFull(f"the store kept {sum(held)} of {len(keys)} blocks")
         except KVStoreError as exc:

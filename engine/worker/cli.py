@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most requests running at once (default {d.max_num_seqs})")
     s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help=f"token budget of one step, decodes + prefill chunks (default {d.max_num_batched_tokens})")
+    s.add_argument("--kv-load-timeout", type=float, default=d.kv_load_timeout_s, metavar="SECONDS",
+                   help="a store load not done by then is abandoned and its request computes "
+                        f"instead (default {d.kv_load_timeout_s:g})")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens (default: the model's max_position_embeddings)")
     s.add_argument("--no-chunked-prefill", action="store_true",
@@ -218,7 +221,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
         dtype=args.dtype, device=args.device, threads=args.threads, save_all=args.save_all,
-        kv_handoff=args.kv_handoff,
+        kv_handoff=args.kv_handoff, kv_load_timeout_s=args.kv_load_timeout,
         load_interval_s=args.load_interval, drain_timeout_s=args.drain_timeout,
         cluster_secret=resolve(args.cluster_secret, args.cluster_secret_file),
         insecure=args.insecure, step_trace=args.step_trace, store_transport=args.store_transport,
@@ -229,7 +232,8 @@ class _StartupError(Exception):
     """A start-up problem the user can fix; its message says what."""
 
 
-def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient]:
+def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient, StoreClient]:
+    """Clients for the connector's loads, saves and lookups (each on a thread of its own)."""
     import kvstore
     from kvstore.errors import KVStoreError
 
@@ -237,10 +241,10 @@ def _connect_store(cfg: WorkerConfig) -> tuple[StoreClient, StoreClient]:
     token, how = cfg.cluster_secret, cfg.store_transport
     try:
         if cfg.store is not None:
-            return (kvstore.connect(cfg.store, auth_token=token, transport=how),
-                    kvstore.connect(cfg.store, auth_token=token, transport=how))
-        return (kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token, transport=how),
-                kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token, transport=how))
+            return tuple(kvstore.connect(cfg.store, auth_token=token, transport=how)  # type: ignore[return-value]
+                         for _ in range(3))
+        return tuple(kvstore.connect(etcd=cfg.etcd, cluster=cfg.cluster, auth_token=token,  # type: ignore[return-value]
+                                     transport=how) for _ in range(3))
     except KVStoreError as exc:
         where = cfg.store or f"etcd {cfg.etcd} cluster {cfg.cluster!r}"
         raise _StartupError(f"cannot reach the kvstore at {where}: {exc} "
@@ -274,7 +278,8 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
                                         device=cfg.device))
     clients = _connect_store(cfg) if cfg.uses_store else ()
     connector = (KVStoreConnector(clients[0], runner.kv_cache, save_client=clients[1],
-                                  save_all=cfg.saves_all) if clients else None)
+                                  lookup_client=clients[2], save_all=cfg.saves_all)
+                 if clients else None)
     events = EventStream(cfg.event_capacity)
     metrics = WorkerMetrics()
     trace = (open(cfg.step_trace.replace("{role}", cfg.role).replace("{pid}", str(os.getpid())),  # noqa: SIM115

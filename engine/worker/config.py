@@ -78,6 +78,7 @@ class WorkerConfig:
     max_model_len: int | None = EngineConfig.max_model_len
     dtype: str | None = EngineConfig.dtype
     device: str | None = EngineConfig.device
+    kv_load_timeout_s: float = EngineConfig.kv_load_timeout_s
     threads: int | None = None
     save_all: bool | None = None
     kv_handoff: Literal["local", "owners"] = "local"

@@ -50,7 +50,8 @@ import torch
 from engine.api.events import LoadFigures
 from engine.api.generate import GenerateChunk, GenerateFinal, GenerateRequest, RequestStats
 from engine.core.llm_engine import BlockKeyMismatch, LLMEngine, RequestOutput
-from engine.kv.connector import KVStoreConnector, LoadResult, SaveResult
+from engine.core.request import RequestKV
+from engine.kv.connector import KVStoreConnector, SaveResult
 from engine.worker.events import EventStream, RateMeter
 from engine.worker.metrics import WorkerMetrics
 from kvstore.keys import BlockKey
@@ -134,7 +135,7 @@ class _Abort:
     request_id: str
 
 
-_Message = _Add | _Abort | None  # None only wakes the engine thread (to stop)
+_Message = _Add | _Abort | None  # None only wakes the engine thread (to stop, or I/O ended)
 
 
 class EngineWorker:
@@ -173,6 +174,8 @@ class EngineWorker:
         self._last_load: LoadFigures | None = None
         self._last_load_time = 0.0
         self._last_conn = connector.stats_snapshot() if connector is not None else None
+        if connector is not None:
+            connector.on_ready = lambda: self._inbox.put(None)   # wakes a loop waiting on I/O
         self.error: BaseException | None = None
         metrics.kv_total_blocks.set(engine.config.num_blocks)
 
@@ -238,7 +241,9 @@ class EngineWorker:
         try:
             self._publish_load(force=True)
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished()
+                # Nothing to compute while every request waits on the store's I/O: sleep on
+                # the inbox, which the connector's on_ready wakes when a lookup or load ends.
+                busy = self.engine.has_unfinished() and not self.engine.waiting_on_io
                 self._handle_inbox(block=not busy)
                 if self.engine.has_unfinished():
                     self._step()
@@ -288,21 +293,17 @@ class EngineWorker:
                     f"request {request.request_id!r}: prompt ({len(request.prompt_token_ids)} "
                     f"tokens) + max_tokens ({request.sampling.max_tokens}) = {total} exceeds "
                     f"the context window of {self.engine.max_model_len} tokens")
-            if request.kv_source is not None and self.connector is not None:
-                self.connector.set_source(request.request_id, request.kv_source)
+            prefill = request.phase == "prefill"
+            kv = RequestKV(save=prefill, handoff=prefill and self.handoff, source=request.kv_source)
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                     output_token_ids=request.output_token_ids,
                                     cache_salt=request.cache_salt,
-                                    block_keys=request.block_keys)
+                                    block_keys=request.block_keys, kv=kv)
         except ValueError as exc:
-            if self.connector is not None and request.request_id not in self._streams:
-                self.connector.take_load_result(request.request_id)   # forget its kv_source
             reason = "block_keys" if isinstance(exc, BlockKeyMismatch) else "bad_request"
             self.metrics.rejected.labels(reason).inc()
             fut.set_exception(exc)
             return
-        if request.phase == "prefill" and self.connector is not None:
-            self.connector.require_save(request.request_id, handoff=self.handoff)
         stream = _Stream(request, sink)
         if request.phase == "prefill":
             stream.prompt_keys = self.engine.prompt_block_keys(request.request_id)
@@ -352,14 +353,13 @@ class EngineWorker:
         s = out.stats
         self.metrics.requests.labels(reason).inc()
         self.metrics.prefix_hit_tokens.labels("device").inc(s.device_hit_tokens)
-        self.metrics.prefix_hit_tokens.labels("store").inc(s.external_hit_tokens)
+        self.metrics.prefix_hit_tokens.labels("store").inc(s.store_hit_tokens)
         self.metrics.computed_prompt_tokens.inc(s.computed_prompt_tokens)
-        loaded = (self.connector.take_load_result(rid) if self.connector is not None
-                  else LoadResult(0, 0))
+        loaded = out.kv.load
         stats = RequestStats(
             computed_prompt_tokens=s.computed_prompt_tokens,
             device_hit_tokens=s.device_hit_tokens,
-            store_hit_tokens=s.external_hit_tokens,
+            store_hit_tokens=s.store_hit_tokens,
             kv_bytes_loaded=loaded.bytes,
             store_load_s=loaded.seconds,
             queue_s=s.queue_s, prefill_s=s.prefill_s, first_token_s=s.first_token_s,

@@ -14,8 +14,8 @@ into the block's slot (chunk ``c`` to ``slot + offsets[c]``: for our engine's ca
 ``2 * num_layers`` runs of ``kv_cache[:, :, block_id]``): one pass over the bytes, no
 intermediate buffer on shared memory, nothing written for a block that fails. After the first block that fails,
 later blocks are not consumed (the engine recomputes them: only the leading run counts). On
-shared memory the pinned blocks of one get are spread over ``threads`` threads (the engine's
-torch threads: a load runs on the engine thread, which waits for it).
+shared memory the pinned blocks of one get are spread over ``threads`` threads (a load runs on
+its connector's loader thread; these help it).
 
 Staged (a CUDA cache, ``copy_rows`` given): the slot is row ``i`` of a pinned, contiguous
 ``[n, payload]`` staging ring instead (``ring_slots``), and every ``group`` blocks of the verified leading
@@ -23,13 +23,14 @@ run go to the device at once (``copy_rows(a, b)``: one asynchronous host-to-devi
 ``index_copy_``), so the DMA of one group overlaps the verification of the next; the
 connector sends the rest and records the event that frees the ring.
 
-Without the kernel (no compiler) the connector keeps its Python path (``get`` into a buffer,
-``codec.decode``, ``index_copy_``).
+Without the kernel (no compiler) a connector takes the Python path: ``get`` into encoded rows,
+``verify_rows`` (``codec.decode`` of each, the leading run), then its own tensor copy.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +38,14 @@ from typing import cast
 
 import numpy as np
 
+from kvstore import codec
+from kvstore.errors import CorruptBlock
 from kvstore.native import blocks as native_blocks
 from kvstore.net.buffers import Sink
 
-__all__ = ["ScatterLoad", "scatter_kernel", "ring_slots"]
+__all__ = ["ScatterLoad", "scatter_kernel", "ring_slots", "verify_rows"]
+
+log = logging.getLogger(__name__)
 
 MISSING = -1  # a block's status until a sink consumes it
 
@@ -166,3 +171,26 @@ class ScatterLoad:
             if not ok or st != 0:
                 return i, i
         return len(self.status), -1
+
+
+def verify_rows(rows: np.ndarray, keys: Sequence[bytes], found: Sequence[bool], dtype: str,
+                block_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The Python path's check of encoded ``rows`` a ``get`` filled: (the leading run of
+    verified blocks, 1 if a missing block ended it, 1 if a corrupt one did). A block is corrupt
+    when ``codec.decode`` refuses it (key, checksum, length) or it holds another dtype or
+    shape than the cache's."""
+    good = 0
+    for i in range(len(keys)):
+        if not found[i]:
+            return good, 1, 0
+        try:
+            header, _ = codec.decode(rows[i], expected_key=keys[i])
+        except CorruptBlock as exc:
+            log.warning("block %s failed verification, recomputing it: %s", keys[i].hex(), exc)
+            return good, 0, 1
+        if header.dtype != dtype or header.shape != tuple(block_shape):
+            log.warning("block %s is %s%s, this cache holds %s%s; recomputing it", keys[i].hex(),
+                        header.dtype, list(header.shape), dtype, list(block_shape))
+            return good, 0, 1
+        good += 1
+    return good, 0, 0

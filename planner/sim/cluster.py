@@ -246,7 +246,7 @@ class SimCluster:
         st.books.release()
         p = st.request.stats
         if not c.first_phase_stats:
-            c.first_phase_stats = {"device": p.device_hit_tokens, "store": p.external_hit_tokens,
+            c.first_phase_stats = {"device": p.device_hit_tokens, "store": p.store_hit_tokens,
                                    "computed": p.computed_prompt_tokens}
             for k, v in c.first_phase_stats.items():
                 self.stats[k] += v

@@ -31,7 +31,8 @@ from engine.api.events import BlockEvent, LoadFigures, Snapshot
 from engine.api.generate import RequestStats, SamplingParams, WorkerInfo, WorkerRole
 from engine.core.block_manager import BlockManager, KVEvent
 from engine.core.config import EngineConfig
-from engine.core.request import Request
+from engine.core.connector_api import LoadDone
+from engine.core.request import LoadTally, Request
 from engine.core.sampling import SamplerOutput
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.worker.events import RateMeter
@@ -82,26 +83,50 @@ class PhaseState:
 
 
 class _Connector:
-    """The store as the scheduler sees it (``engine.core.connector_api.EngineConnector``)."""
+    """The store as the scheduler sees it (``engine.core.connector_api.EngineConnector``):
+    lookups answer at once; a load runs on the worker's one loader (queued behind the one
+    before it) while the worker keeps stepping, and ends at the step after it is done."""
 
     def __init__(self, worker: SimWorker) -> None:
         self.w = worker
+        self._done: list[LoadDone] = []
+        self._free_at = 0.0
+
+    def lookup_ahead(self, req: Request) -> None:
+        pass
 
     def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
         bs = self.w.spec.block_size
         return self.w.store.prefix_len(req.block_keys[num_device_hit_tokens // bs:]) * bs
 
-    def load(self, req: Request, block_ids: Sequence[int]) -> int:
-        start = req.num_computed_tokens // self.w.spec.block_size
-        n = self.w.store.prefix_len(req.block_keys[start:start + len(block_ids)])
-        self.w.step_load_s += self.w.costs.load_s(n)
-        self.w.step_loaded_tokens += n * self.w.spec.block_size
-        st = self.w.phases.get(req.request_id)
+    def start_load(self, req: Request, block_ids: Sequence[int]) -> None:
+        w = self.w
+        start = req.num_computed_tokens // w.spec.block_size
+        n = w.store.prefix_len(req.block_keys[start:start + len(block_ids)])
+        seconds = w.costs.load_s(n)
+        done_at = max(w.now, self._free_at) + seconds
+        self._free_at = done_at
+        st = w.phases.get(req.request_id)
         if st is not None:
-            st.load_s += self.w.costs.load_s(n)
-        return n
+            st.load_s += seconds
+        tally = LoadTally(n, len(block_ids), seconds=seconds)
 
-    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        def done() -> None:
+            self._done.append(LoadDone(req.request_id, tally))
+            w.load_rate.update(n * w.spec.block_size, seconds)
+            w.wake(done_at)
+
+        w.schedule(done_at, done)
+
+    def finished_loads(self) -> list[LoadDone]:
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey],
+             held: bool = False) -> None:
         w = self.w
         st = w.phases.get(req.request_id)
         if not (w.spec.saves or (st is not None and st.phase == "prefill")) or not keys:
@@ -149,8 +174,6 @@ class SimWorker:
         self.now = 0.0
         self.busy = False
         self.saver_free_at = 0.0
-        self.step_load_s = 0.0
-        self.step_loaded_tokens = 0
         self.busy_s = 0.0
         self.steps = 0
         self.prefill_rate, self.decode_rate, self.load_rate = RateMeter(), RateMeter(), RateMeter()
@@ -204,10 +227,9 @@ class SimWorker:
 
     def _start_step(self, t: float) -> None:
         self.now = t
-        self.step_load_s, self.step_loaded_tokens = 0.0, 0
         out = self.scheduler.schedule()
         if not out.chunks:
-            return  # waiting for room that only a finished request frees: woken then
+            return  # waiting for room that a finished request frees, or for a load: woken then
         decodes, chunks, prefill_tokens = [], [], 0
         for c in out.chunks:
             st = self.phases.get(c.request.request_id)
@@ -219,13 +241,11 @@ class SimWorker:
                 chunks.append((c.num_tokens, c.start_pos))
                 prefill_tokens += c.num_tokens
         compute = self.costs.step_s(decodes, chunks)
-        dt = compute + self.step_load_s
+        dt = compute
         if prefill_tokens:
             self.prefill_rate.update(prefill_tokens, compute * prefill_tokens / (prefill_tokens + len(decodes)))
         if decodes:
             self.decode_rate.update(len(decodes), compute * len(decodes) / (prefill_tokens + len(decodes)))
-        if self.step_loaded_tokens:
-            self.load_rate.update(self.step_loaded_tokens, self.step_load_s)
         self.busy = True
         self.busy_s += dt
         self.steps += 1
@@ -257,7 +277,7 @@ class SimWorker:
         admitted = st.admitted_at if st.admitted_at is not None else t
         stats = RequestStats(
             computed_prompt_tokens=p.computed_prompt_tokens, device_hit_tokens=p.device_hit_tokens,
-            store_hit_tokens=p.external_hit_tokens, store_load_s=st.load_s,
+            store_hit_tokens=p.store_hit_tokens, store_load_s=st.load_s,
             queue_s=admitted - p.arrival_time,
             prefill_s=(st.first_token_at or t) - admitted,
             first_token_s=(st.first_token_at or t) - p.arrival_time)

@@ -106,10 +106,10 @@ def test_the_store_client_gets_the_resolved_secret(monkeypatch):
     monkeypatch.setattr(kvstore, "connect", lambda *a, **kw: seen.append(kw) or object())
     cli._connect_store(WorkerConfig(store="127.0.0.1:1", cluster_secret="abc"))
     cli._connect_store(WorkerConfig(etcd="http://127.0.0.1:2379", cluster_secret="abc"))
-    assert [kw["auth_token"] for kw in seen] == ["abc"] * 4
+    assert [kw["auth_token"] for kw in seen] == ["abc"] * 6   # load, save and lookup clients
     seen.clear()
     cli._connect_store(WorkerConfig(store="127.0.0.1:1"))  # no secret: the client's own env path
-    assert [kw["auth_token"] for kw in seen] == [None, None]
+    assert [kw["auth_token"] for kw in seen] == [None] * 3
 
 
 def test_a_call_meant_for_another_worker_id_is_misdirected_and_reaches_nothing(worker):

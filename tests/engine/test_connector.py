@@ -6,6 +6,8 @@ the unit under test); the process-level path against a real daemon is in test_di
 
 from __future__ import annotations
 
+import time
+
 import threading
 
 import numpy as np
@@ -192,7 +194,7 @@ def test_missing_block_and_unreachable_store_are_misses(load_path, keys):
     assert conn.load_blocks(keys[:1], [8]).loaded == 0
     s.save_blocks(keys[:1], [0], request_id="t")
     assert s.flush("t").result(timeout=10).failed_blocks == 1
-    assert s.stats.save_failed_blocks == 1 and conn.stats.store_errors == 2
+    assert s.stats_snapshot().save_failed_blocks == 1 and conn.stats.store_errors == 2
     s.close()
 
 
@@ -214,6 +216,16 @@ def test_bad_cache_shape_is_rejected():
         KVStoreConnector(DictStore(), torch.zeros((1, 2, 1, 1, 1, 1), dtype=torch.int64))
 
 
+def _poll_loads(conn: KVStoreConnector, timeout: float = 10.0) -> list:
+    """``finished_loads`` until one ends (``wait`` sleeps until the loader reports)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done := conn.finished_loads():
+            return done
+        conn.wait(0.5)
+    raise AssertionError("no load ended")
+
+
 def test_engine_protocol_maps_a_request_onto_the_store():
     from engine.api.generate import SamplingParams
     from engine.core.connector_api import EngineConnector
@@ -229,19 +241,30 @@ def test_engine_protocol_maps_a_request_onto_the_store():
     assert saver.flush("r").result(timeout=10).saved_blocks == 3
 
     loader = KVStoreConnector(store, dst, save_all=False)  # a decode worker's default
-    assert loader.get_num_external_hits(req, 0) == 3 * BS
-    assert loader.get_num_external_hits(req, BS) == 2 * BS  # after one device-hit block
+    woken = []
+    loader.on_ready = lambda: woken.append(1)
+    loader.lookup_ahead(req)   # answered on the lookup thread, from block 0
+    deadline = time.monotonic() + 10
+    while (hits := loader.get_num_external_hits(req, BS)) is None and time.monotonic() < deadline:
+        loader.wait(0.5)
+    assert hits == 2 * BS and woken  # after one device-hit block
+    assert loader.get_num_external_hits(req, 0) is None  # an answer is used once: asked again
+    deadline = time.monotonic() + 10
+    while (hits := loader.get_num_external_hits(req, 0)) is None and time.monotonic() < deadline:
+        loader.wait(0.5)
+    assert hits == 3 * BS
     req.num_computed_tokens = BS
-    assert loader.load(req, [9, 10]) == 2
+    loader.start_load(req, [9, 10])
+    (done,) = _poll_loads(loader)
+    assert done.request_id == "r" and done.tally.loaded == 2
+    assert done.tally.bytes == 2 * L * 2 * BS * H * D * 4
     assert torch.equal(dst[:, :, 9], src[:, :, 5]) and torch.equal(dst[:, :, 10], src[:, :, 6])
-    result = loader.take_load_result("r")
-    assert result.loaded == 2 and result.bytes == 2 * L * 2 * BS * H * D * 4
-    assert loader.take_load_result("r").loaded == 0  # handed over once
+    assert loader.finished_loads() == []  # each load ends once
 
     del store.data[bytes(req.block_keys[1])]
     loader.save(req, [9], req.block_keys[1:2])  # not saved: save_all is off ...
     assert loader.flush("r").result(timeout=10).saved_blocks == 0
-    loader.require_save("r")  # ... unless the request is a prefill handoff
+    req.kv.save = True  # ... unless the request says so (a prefill for a decode elsewhere)
     loader.save(req, [9], req.block_keys[1:2])
     assert loader.flush("r").result(timeout=10).saved_blocks == 1
     assert bytes(req.block_keys[1]) in store.data
@@ -250,12 +273,29 @@ def test_engine_protocol_maps_a_request_onto_the_store():
     assert KVStoreConnector(store, dst, load_enabled=False).get_num_external_hits(req, 0) == 0
 
 
+def test_a_load_that_fails_on_the_loader_thread_ends_with_nothing_loaded(keys):
+    from engine.api.generate import SamplingParams
+    from engine.core.request import Request
+
+    store = DictStore()
+    req = Request("r", list(range(3 * BS + 2)), SamplingParams(max_tokens=4),
+                   namespace=namespace_id({"test": "protocol"}), block_size=BS)
+    conn = KVStoreConnector(store, make_cache())
+    conn.load_blocks = lambda *a, **k: 1 / 0  # type: ignore[method-assign]
+    conn.start_load(req, [1, 2])
+    (done,) = _poll_loads(conn)
+    assert (done.tally.loaded, done.tally.requested) == (0, 2)
+    conn.start_load(req, [1, 2])   # the thread lives on
+    assert _poll_loads(conn)[0].tally.loaded == 0
+    conn.close()
+
+
 def test_present_blocks_are_acknowledged_without_shipping_bytes(keys):
     store = DictStore()
     conn = KVStoreConnector(store, make_cache())
     conn.save_blocks(keys[:2], [0, 1], request_id="a")
     first = conn.flush("a").result(timeout=10)
-    conn.save_blocks(keys[:3], [0, 1, 2], request_id="b")  # two already stored
+    conn.save_blocks(keys[:3], [0, 1, 2], request_id="b", recheck=True)  # two already stored
     second = conn.flush("b").result(timeout=10)
     assert first.saved_blocks == 2 and second.saved_blocks == 3
     assert second.bytes == first.bytes // 2  # only the new block travelled

@@ -43,7 +43,6 @@ def test_prefill_hands_off_to_its_host_node_and_decode_reads_it_there(etcd, star
 
         cache = make_cache(seed=1)
         prefill = KVStoreConnector(cc, cache, save_all=False)
-        prefill.require_save("r1", handoff=True)
         prefill.save_blocks(keys, list(range(len(keys))), request_id="r1",
                             node=cc.local_node_id)
         result = prefill.flush("r1").result(timeout=10)

@@ -279,7 +279,7 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
         connectors[0].flush(None).result(timeout=30)  # every queued save acknowledged
         assert connectors[0].stats.saved_blocks == 5, connectors[0].stats_snapshot()
         decoded = engines[1].generate([prompt], GREEDY)[0]
-        assert decoded.stats.external_hit_tokens == 80, connectors[1].stats_snapshot()
+        assert decoded.stats.store_hit_tokens == 80, connectors[1].stats_snapshot()
         assert decoded.token_ids == cold.token_ids
         assert decoded.stats.computed_prompt_tokens == 7
     finally:

@@ -12,9 +12,10 @@ import pytest
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
+from engine.core.connector_api import LoadDone
 from engine.core.sampling import SamplerOutput, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.request import Request, RequestStatus
+from engine.core.request import LoadTally, Request, RequestStatus
 from kvstore.keys import BlockKey, namespace_id
 
 NS = namespace_id({"test": "scheduler"})
@@ -158,22 +159,44 @@ def test_stop_conditions() -> None:
 
 
 class FakeConnector:
-    """A store holding the first ``stored`` blocks of every prompt; loads ``load_ok`` of them."""
+    """A store holding the first ``stored`` blocks of every prompt; loads ``load_ok`` of them.
 
-    def __init__(self, stored: int, load_ok: int) -> None:
-        self.stored, self.load_ok = stored, load_ok
+    Lookups answer at once; a load ends at the next ``finished_loads`` unless ``hold`` is set
+    (then it ends once ``release`` is called)."""
+
+    def __init__(self, stored: int, load_ok: int, hold: bool = False) -> None:
+        self.stored, self.load_ok, self.hold = stored, load_ok, hold
         self.loads: list[list[int]] = []
         self.saved: list[BlockKey] = []
         self.finished: list[str] = []
+        self._in_flight: list[LoadDone] = []
+        self._done: list[LoadDone] = []
 
-    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
+    def lookup_ahead(self, req: Request) -> None:
+        pass
+
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int | None:
         return max(0, self.stored * BS - num_device_hit_tokens)
 
-    def load(self, req: Request, block_ids: Sequence[int]) -> int:
+    def start_load(self, req: Request, block_ids: Sequence[int]) -> None:
         self.loads.append(list(block_ids))
-        return min(self.load_ok, len(block_ids))
+        n = min(self.load_ok, len(block_ids))
+        done = LoadDone(req.request_id, LoadTally(n, len(block_ids)))
+        (self._in_flight if self.hold else self._done).append(done)
 
-    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+    def release(self) -> None:
+        self._done += self._in_flight
+        self._in_flight = []
+
+    def finished_loads(self) -> list[LoadDone]:
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def save(self, req: Request, block_ids: Sequence[int], keys: Sequence[BlockKey],
+             held: bool = False) -> None:
         assert [req.block_keys.index(k) for k in keys] == [req.block_table.index(b) for b in block_ids]
         self.saved.extend(keys)
 
@@ -181,8 +204,8 @@ class FakeConnector:
         self.finished.append(req.request_id)
 
 
-def with_connector(conn: FakeConnector) -> Scheduler:
-    config = EngineConfig(num_blocks=32, block_size=BS)
+def with_connector(conn: FakeConnector, **cfg) -> Scheduler:
+    config = EngineConfig(num_blocks=32, block_size=BS, **cfg)
     return Scheduler(config, BlockManager(32, BS), max_model_len=4096, connector=conn)
 
 
@@ -191,8 +214,9 @@ def test_external_hits_are_loaded_and_only_new_blocks_are_offered() -> None:
     s = with_connector(conn)
     a = new_request("a", 18, 0.0, max_tokens=4)
     s.add(a)
+    assert plan(step(s)) == [] and a.status is RequestStatus.WAITING_FOR_KV  # loading
     assert plan(step(s)) == [("a", 16, 2)]  # 4 blocks loaded (capped: the store had 8)
-    assert conn.loads == [a.block_table[:4]] and a.stats.external_hit_tokens == 16
+    assert conn.loads == [a.block_table[:4]] and a.stats.store_hit_tokens == 16
     assert conn.saved == []
     assert s.block_manager.lookup(a.block_keys) == a.block_table[:4]  # loaded blocks are cached
     while s.has_unfinished():
@@ -206,8 +230,9 @@ def test_a_short_load_is_recomputed_and_offered() -> None:
     s = with_connector(conn)
     a = new_request("a", 18, 0.0, max_tokens=1)
     s.add(a)
+    step(s)
     assert plan(step(s)) == [("a", 4, 14)]
-    assert a.stats.external_hit_tokens == 4 and a.stats.computed_prompt_tokens == 14
+    assert a.stats.store_hit_tokens == 4 and a.stats.computed_prompt_tokens == 14
     assert conn.saved == a.block_keys[1:4]
     # A second request hits the device cache; those blocks are offered, none twice within it.
     conn.saved.clear()
@@ -239,7 +264,7 @@ class CountingConnector(FakeConnector):
         super().__init__(stored, load_ok)
         self.lookups: list[tuple[str, int]] = []
 
-    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int:
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int | None:
         self.lookups.append((req.request_id, num_device_hit_tokens))
         return super().get_num_external_hits(req, num_device_hit_tokens)
 
@@ -281,7 +306,7 @@ def test_a_waiting_request_asks_the_store_once_while_it_waits() -> None:
     while s.has_unfinished():
         step(s)
     assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0)]
-    assert b.stats.external_hit_tokens == 8
+    assert b.stats.store_hit_tokens == 8
 
 
 def test_a_preempted_request_asks_the_store_again() -> None:
@@ -300,3 +325,140 @@ def test_a_preempted_request_asks_the_store_again() -> None:
         step(s)
     # Asked again once it fits, after its own 2 blocks (now device hits) for the rest.
     assert [x for x in conn.lookups if x[0] == "b"] == [("b", 0), ("b", 8)]
+
+
+# --- loads off the step: a request waits for its KV while the others run -----------------------
+
+
+def test_running_requests_keep_stepping_while_a_load_is_in_flight() -> None:
+    conn = FakeConnector(stored=0, load_ok=4, hold=True)
+    s = with_connector(conn)
+    a = new_request("a", 5, 0.0, max_tokens=20)
+    s.add(a)
+    step(s)
+    conn.stored = 4
+    b = new_request("b", 18, 1.0, max_tokens=2, first=40)
+    s.add(b)
+    for _ in range(5):   # b's load is held: a gets a token every step regardless
+        pos = a.num_tokens - 1
+        assert plan(step(s)) == [("a", pos, 1)]
+        assert b.status is RequestStatus.WAITING_FOR_KV and s.io_waits == 1
+    held = set(b.block_table[:4])
+    assert conn.loads == [b.block_table[:4]] and not held & set(a.block_table)
+    conn.release()
+    pos = a.num_tokens - 1
+    assert plan(step(s)) == [("a", pos, 1), ("b", 16, 2)]
+    assert b.stats.store_hit_tokens == 16 and b.kv.load.loaded == 4
+
+
+def test_an_abort_during_a_load_holds_its_blocks_until_the_load_ends() -> None:
+    conn = FakeConnector(stored=4, load_ok=4, hold=True)
+    s = with_connector(conn)
+    b = new_request("b", 18, 0.0, max_tokens=2)
+    s.add(b)
+    step(s)
+    targets = list(conn.loads[0])
+    free_before = s.block_manager.num_free_blocks
+    s.abort("b")
+    assert b.finish_reason == "abort" and conn.finished == ["b"] and not s.has_unfinished()
+    # The loader may still write its 4 target blocks: only b's other block came back.
+    assert s.block_manager.num_free_blocks == free_before + 1
+    assert all(s.block_manager.ref_count(x) == 1 for x in targets)
+    assert s.blocks_held_by_abandoned_loads == 4
+    c = new_request("c", 60, 1.0, max_tokens=1, first=200)   # wants every free block
+    s.add(c)
+    step(s)
+    assert not set(targets) & set(c.block_table)
+    conn.release()
+    step(s)
+    assert s.blocks_held_by_abandoned_loads == 0
+    assert all(s.block_manager.ref_count(x) == 0 for x in targets)
+
+
+def test_a_preemption_during_a_load_never_takes_the_loading_blocks() -> None:
+    conn = FakeConnector(stored=0, load_ok=2, hold=True)
+    config = EngineConfig(num_blocks=8, block_size=BS)
+    s = Scheduler(config, BlockManager(8, BS), max_model_len=4096, connector=conn)
+    a = new_request("a", 7, 0.0, max_tokens=12, first=1)      # grows to 5 blocks
+    s.add(a)
+    step(s)
+    conn.stored = 2
+    b = new_request("b", 10, 1.0, max_tokens=2, first=50)     # 2 blocks loading + 1
+    s.add(b)
+    c = new_request("c", 3, 2.0, max_tokens=12, first=90)     # runs beside a; preempted
+    step(s)
+    s.add(c)
+    assert b.status is RequestStatus.WAITING_FOR_KV
+    targets = set(conn.loads[0])
+    while c.stats.num_preemptions == 0:
+        step(s)
+        assert targets <= set(b.block_table) and not targets & set(a.block_table + c.block_table)
+    assert b.status is RequestStatus.WAITING_FOR_KV   # never a victim
+    conn.release()
+    while s.has_unfinished():
+        step(s)
+    assert b.stats.store_hit_tokens == 8 and s.block_manager.num_free_blocks == 8
+
+
+def test_a_load_past_its_deadline_is_abandoned_and_its_request_computes(monkeypatch) -> None:
+    conn = FakeConnector(stored=4, load_ok=4, hold=True)
+    s = with_connector(conn, kv_load_timeout_s=0.05)
+    b = new_request("b", 18, 0.0, max_tokens=2)
+    s.add(b)
+    step(s)
+    targets = list(conn.loads[0])
+    import time as _time
+    _time.sleep(0.06)
+    out = step(s)   # past the deadline: back to waiting, then admitted to compute it all
+    assert plan(out) == [("b", 0, 18)] and b.kv.store_failed and s.num_abandoned_loads == 1
+    assert not set(targets) & set(b.block_table) and s.blocks_held_by_abandoned_loads == 4
+    while s.has_unfinished():
+        step(s)
+    assert b.stats.store_hit_tokens == 0 and b.stats.computed_prompt_tokens == 18
+    assert len(conn.loads) == 1   # never asked the store again
+    conn.release()
+    step(s)
+    assert s.blocks_held_by_abandoned_loads == 0 and s.block_manager.num_free_blocks == 32
+
+
+def test_the_same_prefix_twice_loads_once_and_the_second_hits_the_device() -> None:
+    conn = FakeConnector(stored=4, load_ok=4, hold=True)
+    s = with_connector(conn)
+    a = new_request("a", 18, 0.0, max_tokens=2)
+    b = new_request("b", 18, 1.0, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        assert plan(step(s)) == []
+        assert a.status is RequestStatus.WAITING_FOR_KV and b.status is RequestStatus.WAITING
+    conn.release()
+    assert plan(step(s)) == [("a", 16, 2), ("b", 16, 2)]
+    assert len(conn.loads) == 1
+    assert a.stats.store_hit_tokens == 16 and b.stats.device_hit_tokens == 16
+
+
+class SlowLookup(FakeConnector):
+    """Answers a request's lookup only from the step after it was first asked."""
+
+    def __init__(self, stored: int) -> None:
+        super().__init__(stored, load_ok=stored)
+        self.asked: set[str] = set()
+
+    def get_num_external_hits(self, req: Request, num_device_hit_tokens: int) -> int | None:
+        if req.request_id not in self.asked:
+            self.asked.add(req.request_id)
+            return None
+        return super().get_num_external_hits(req, num_device_hit_tokens)
+
+
+def test_a_request_whose_lookup_is_pending_lets_the_next_one_go_first() -> None:
+    conn = SlowLookup(stored=0)
+    s = with_connector(conn)
+    a = new_request("a", 6, 0.0, max_tokens=1)
+    s.add(a)
+    assert plan(step(s)) == [] and s.io_waits == 1
+    b = new_request("b", 5, 1.0, max_tokens=1, first=30)
+    s.add(b)
+    # a has its answer now; b's is pending: a computes, b waits its turn behind no one.
+    assert plan(step(s)) == [("a", 0, 6)] and b.status is RequestStatus.WAITING
+    assert plan(step(s)) == [("b", 0, 5)]

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from kvstore import codec
-from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel
-from kvstore.errors import CorruptBlock, KVStoreError
+from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel, verify_rows
+from kvstore.errors import KVStoreError
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm.layout import BlockLayout
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec
@@ -242,20 +242,7 @@ class Transfers:
         n = len(spec.keys)
         rows = np.empty((n, self._encoded), dtype=np.uint8)
         found = client.get(list(spec.keys), [rows[i] for i in range(n)])
-        good = corrupt = 0
-        for i in range(n):
-            if not found[i]:
-                break
-            try:
-                header, _ = codec.decode(rows[i], expected_key=spec.keys[i])
-            except CorruptBlock as exc:
-                log.warning("kvstore: block %s failed verification: %s", spec.keys[i].hex(), exc)
-                corrupt = 1
-                break
-            if header.dtype != self.dtype_name or header.shape != self.layout.block_shape:
-                corrupt = 1
-                break
-            good += 1
+        good, _, corrupt = verify_rows(rows, spec.keys, found, self.dtype_name, self.layout.block_shape)
         self.layout.scatter(spec.block_ids[:good], torch.from_numpy(rows[:good, codec.HEADER_SIZE:]))
         return good, corrupt
 
