@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -277,7 +279,7 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
         prefill = engines[0].generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
         assert prefill.token_ids == cold.token_ids[:1]
         connectors[0].flush(None).result(timeout=30)  # every queued save acknowledged
-        assert connectors[0].stats.saved_blocks == 5, connectors[0].stats_snapshot()
+        assert connectors[0].stats_snapshot().saved_blocks == 5, connectors[0].stats_snapshot()
         decoded = engines[1].generate([prompt], GREEDY)[0]
         assert decoded.stats.store_hit_tokens == 80, connectors[1].stats_snapshot()
         assert decoded.token_ids == cold.token_ids
@@ -285,6 +287,80 @@ def test_store_hits_through_the_connector_equal_a_cold_run(tiny_llama_dir: Path,
     finally:
         for conn, client in zip(connectors, clients, strict=False):
             conn.close()
+            client.close()
+
+
+class _GatedGet:
+    """A real store client whose ``get`` (a load) waits until ``release`` is called."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def get(self, keys, buffers):
+        self.entered.set()
+        assert self.gate.wait(60), "the test never released the load"
+        return self.client.get(keys, buffers)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_running_streams_get_tokens_while_a_load_waits(tiny_llama_dir: Path, store_address: str) -> None:
+    """A decode engine whose store load blocks keeps stepping its running stream; released, the
+    loaded request produces the cold run's greedy tokens from the store's blocks."""
+    import kvstore
+    from engine.core.request import RequestStatus
+    from engine.kv.connector import KVStoreConnector
+    from engine.model.runner import ModelRunner
+
+    prompt = PROMPTS[4] + PROMPTS[2]  # 5 full blocks + 7
+    cold = make_engine(tiny_llama_dir).generate([prompt], GREEDY)[0]
+    clients = [kvstore.connect(store_address, timeout=30.0) for _ in range(3)]
+    runner0 = ModelRunner(tiny_llama_dir, num_blocks=64, device="cpu", dtype="float32")
+    saver = KVStoreConnector(clients[0], runner0.kv_cache, save_all=True)
+    LLMEngine(runner0, EngineConfig(num_blocks=64), connector=saver).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    saver.flush(None).result(timeout=30)
+    gated = _GatedGet(clients[1])
+    runner = ModelRunner(tiny_llama_dir, num_blocks=64, device="cpu", dtype="float32")
+    conn = KVStoreConnector(gated, runner.kv_cache, lookup_client=clients[2], save_all=False)
+    engine = LLMEngine(runner, EngineConfig(num_blocks=64), connector=conn)
+    try:
+        engine.add_request("stream", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=40,
+                                                               ignore_eos=True))
+        tokens: dict[str, list[int]] = {"stream": [], "hit": []}
+
+        def step() -> None:
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+
+        while len(tokens["stream"]) < 2:
+            step()
+        engine.add_request("hit", prompt, GREEDY)
+        deadline = time.monotonic() + 30
+        while not gated.entered.is_set() and time.monotonic() < deadline:
+            step()
+        assert gated.entered.is_set(), "the load never started"
+        hit = engine.scheduler.loading["hit"].request
+        before = len(tokens["stream"])
+        for _ in range(5):   # the load is blocked: the stream still gets a token every step
+            step()
+        assert len(tokens["stream"]) == before + 5 and hit.status is RequestStatus.WAITING_FOR_KV
+        gated.gate.set()
+        while engine.has_unfinished():
+            if engine.waiting_on_io:
+                engine.wait_for_io(0.5)
+            step()
+        assert tokens["hit"] == cold.token_ids
+        assert hit.stats.store_hit_tokens == 80 and hit.kv.load.loaded == 5
+        assert hit.stats.computed_prompt_tokens == 7
+    finally:
+        gated.gate.set()
+        for c in (saver, conn):
+            c.close()
+        for client in clients:
             client.close()
 
 
