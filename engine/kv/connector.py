@@ -63,11 +63,11 @@ from engine.core.connector_api import LoadDone
 from engine.core.request import LoadTally
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
-from engine.kv.scatter import cache_slots, direct
-from engine.kv.staging import StagingPool
+from engine.kv.scatter import PagedCache, direct
+from kvstore.transfer.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
-from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel, verify_rows
+from kvstore.transfer.loader import BlockLoader
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.native.blocks import VERIFY_CODES
@@ -179,19 +179,14 @@ class KVStoreConnector:
         self._done: list[tuple[LoadDone, torch.cuda.Event | None]] = []
         self._ready = threading.Event()
         self._side_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
-        # Put rows (header + payload) for saves; a CUDA load's ring of payload rows.
+        # Put rows (header + payload) for saves.
         self._pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda)
-        self._ring_pool = StagingPool(self.block_shape, self.dtype, pin=kv_cache.is_cuda)
-        # Loads run one at a time on the loader thread: one buffer per size is enough.
-        self._load_pool = StagingPool((self.encoded_bytes,), torch.uint8, pin=kv_cache.is_cuda,
-                                       keep_per_size=1)
-        # A contiguous CPU cache loads through sinks that verify and scatter in one pass
-        # (kvstore.client.scatter); CUDA caches and machines without the kernel take the staged path.
-        self._scatter = scatter_kernel()
-        self._direct = direct(kv_cache) if load_path == "auto" else load_path == "direct"
-        if load_path == "python":
-            self._scatter = None
-        self._template = codec.header_template(self.dtype_name, self.block_shape)
+        # Loads (kvstore.transfer.loader): a contiguous CPU cache is written in place
+        # by the verifying sinks; a CUDA cache through a pinned ring; no kernel, in Python.
+        path = load_path if load_path != "auto" else ("direct" if direct(kv_cache) else "staged")
+        self._loader = BlockLoader(PagedCache(kv_cache, self.block_shape, self.payload_bytes),
+                                   self.dtype_name, self.block_shape, path=path,
+                                   threads=self.load_threads)
         self._saver = Saver(self.save_client, self._save_dir, self._placer, self._pool,
                             dtype_name=self.dtype_name,
                             block_shape=self.block_shape, payload_bytes=self.payload_bytes,
@@ -358,14 +353,14 @@ class KVStoreConnector:
         if n == 0:
             return LoadTally(0, 0)
         t0 = time.perf_counter()
-        buf = self._load_pool.take(n)  # pinned on CUDA; rows past n are unused
-        # An exception leaves the buffer to the garbage collector (torch's pinned allocator
-        # waits for any copy still reading it); a normal return gives it back.
-        if self._scatter is not None:
-            good, missing, corrupt, ready = self._fetch_scatter(buf, keys, block_ids, source)
-        else:
-            good, missing, corrupt, ready = self._fetch_verify_copy(buf, keys, block_ids, source)
-        self._load_pool.give(buf, ready)
+        try:
+            good, missing, corrupt = self._loader.load(
+                lambda ks, dests: self._get(ks, dests, source), keys, block_ids)
+        except KVStoreError as exc:
+            log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
+            with self._stats_lock:
+                self.stats.store_errors += 1
+            good, missing, corrupt = 0, n, 0
         seconds = time.perf_counter() - t0
         nbytes = good * self.payload_bytes
         with self._stats_lock:
@@ -392,92 +387,6 @@ class KVStoreConnector:
             for i, f in zip(miss, self.client.get([keys[i] for i in miss], [dests[i] for i in miss])):
                 found[i] = f
         return found
-
-    def _fetch_scatter(
-        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],
-        source: str | None,
-    ) -> tuple[int, int, int, torch.cuda.Event | None]:
-        """Get ``keys`` through sinks that verify each block where it lies and copy it into its
-        slot (``kvstore.client.scatter``); ``buf``'s rows are the TCP path's landing space."""
-        assert self._scatter is not None
-        n = len(keys)
-        rows: torch.Tensor | None = None
-        copy_rows: Callable[[int, int], None] | None = None
-        if not self._direct:  # a pinned ring of payload rows, sent on in groups
-            ring = rows = self._ring_pool.take(n)
-            ids = torch.tensor(list(block_ids), dtype=torch.long).to(self.kv_cache.device)
-
-            def send(a: int, b: int) -> None:
-                payload = ring[a:b].to(self.kv_cache.device, non_blocking=True)
-                self.kv_cache.index_copy_(2, ids[a:b], payload.permute(1, 2, 0, 3, 4, 5))
-
-            copy_rows = send
-
-        if rows is None:
-            slots, offsets, chunk = cache_slots(self.kv_cache, block_ids)
-        else:
-            slots, offsets, chunk = ring_slots(rows.data_ptr(), rows[0].nbytes, n)
-        load = ScatterLoad(self._scatter, self._template, keys, slots, offsets, chunk,
-                           buf.numpy(), threads=self.load_threads, copy_rows=copy_rows)
-        try:
-            found = self._get(list(keys), list(load.sinks), source)
-        except KVStoreError as exc:
-            log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
-            with self._stats_lock:
-                self.stats.store_errors += 1
-            found, failed = [False] * n, True
-        else:
-            failed = False
-        good, bad = load.leading_run(found)
-        ready = None
-        if rows is not None:
-            load.finish(good)
-            if self.kv_cache.is_cuda:  # the ring is reused once its last copy is done
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.kv_cache.device))
-            self._ring_pool.give(rows, ready)
-        if failed:
-            return 0, n, 0, ready
-        if bad < 0:
-            return good, 0, 0, ready
-        if not found[bad]:
-            return good, 1, 0, ready
-        log.warning("block %s failed verification (%s), recomputing it", keys[bad].hex(),
-                    VERIFY_CODES.get(load.status[bad], load.status[bad]))
-        return good, 0, 1, ready
-
-    def _fetch_verify_copy(
-        self, buf: torch.Tensor, keys: Sequence[BlockKey], block_ids: Sequence[int],
-        source: str | None = None,
-    ) -> tuple[int, int, int, torch.cuda.Event | None]:
-        """Get ``keys`` into ``buf``'s rows, verify, copy the verified leading run into the
-        cache. Returns (loaded, missing, corrupt, the CUDA event after the copy or None)."""
-        n = len(keys)
-        rows = buf.numpy()
-        try:
-            found = self._get(list(keys), [rows[i] for i in range(n)], source)
-        except KVStoreError as exc:
-            log.warning("store load of %d blocks failed, recomputing them: %s", n, exc)
-            with self._stats_lock:
-                self.stats.store_errors += 1
-            return 0, n, 0, None
-        good, missing, corrupt = verify_rows(rows, keys, found, self.dtype_name, self.block_shape)
-        if not good:
-            return good, missing, corrupt, None
-        payload = buf[:good, codec.HEADER_SIZE:].view(self.dtype).view(good, *self.block_shape)
-        ids = torch.tensor(list(block_ids[:good]), dtype=torch.long)
-        ready: torch.cuda.Event | None = None
-        if self.kv_cache.is_cuda:
-            # An asynchronous copy out of the pinned buffer: the event tells the pool when
-            # the buffer may be written again.
-            payload = payload.to(self.kv_cache.device, non_blocking=True)
-            ids = ids.to(self.kv_cache.device)
-        # One scatter: cache[:, :, ids] = payload as [L, 2, n, bs, H, D].
-        self.kv_cache.index_copy_(2, ids, payload.permute(1, 2, 0, 3, 4, 5))
-        if self.kv_cache.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.kv_cache.device))
-        return good, missing, corrupt, ready
 
     # --- save (engine thread enqueues, saver thread puts) ------------------------------------
 
@@ -534,7 +443,7 @@ class KVStoreConnector:
     def staging_allocations(self) -> int:
         """Host staging buffers allocated so far (pinned on CUDA). Loads and saves reuse pooled
         buffers, so this stops growing once each request size's power of two has been seen."""
-        return self._pool.allocations + self._load_pool.allocations + self._ring_pool.allocations
+        return self._pool.allocations + self._loader.allocations
 
     @property
     def placer_idle(self) -> bool:

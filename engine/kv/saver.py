@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.kv.handoff import NodeDirectory, Placer, source_client
-from engine.kv.staging import StagingPool
+from kvstore.transfer.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
 from kvstore.errors import KVStoreError, StoreFull

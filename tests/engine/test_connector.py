@@ -90,11 +90,12 @@ def load_path(request, monkeypatch):
     into its slot (direct) or into a staging ring sent on in groups (staged, CUDA's), and the
     Python path (get into a buffer, decode, index_copy_)."""
     import engine.kv.connector as connector_module
+    import kvstore.transfer.loader as loader_module
 
     if request.param == "python":
-        monkeypatch.setattr(connector_module, "scatter_kernel", lambda: None)
+        monkeypatch.setattr(loader_module, "scatter_kernel", lambda: None)
         return request.param
-    require_native(connector_module.scatter_kernel() is not None,
+    require_native(loader_module.scatter_kernel() is not None,
                    "the scatter kernel", LIBRARY.why)
     if request.param == "staged":
         monkeypatch.setattr(connector_module, "direct", lambda cache: False)
@@ -351,7 +352,7 @@ def test_the_load_pool_is_bounded(keys):
 
 
 def test_staging_pool_keeps_at_most_keep_per_size_buffers():
-    from engine.kv.staging import StagingPool
+    from kvstore.transfer.staging import StagingPool
 
     pool = StagingPool((8,), torch.uint8, pin=False, keep_per_size=2)
     bufs = [pool.take(3) for _ in range(3)]  # capacity 4 each

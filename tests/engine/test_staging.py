@@ -1,4 +1,4 @@
-"""The connector's host staging pools (engine.kv.staging): one warm buffer per request size
+"""The connector's host staging pools (kvstore.transfer.staging): one warm buffer per request size
 serves every later load and save, so a request allocates nothing once the pool is warm (on
 CUDA those buffers are pinned and a fresh one costs a cudaHostAlloc); a buffer whose copy may
 still run is handed out again only after its event says the copy is done."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kv.connector import KVStoreConnector
-from engine.kv.staging import StagingPool
+from kvstore.transfer.staging import StagingPool
 from tests.engine.test_connector import DictStore, keys, load_path, make_cache  # noqa: F401
 
 ROUNDS = 30

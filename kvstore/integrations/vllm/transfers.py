@@ -3,14 +3,15 @@ its own, so the step loop only hands work over and collects what finished.
 
 - ``load(LoadSpec)`` queues a load. The load thread (for a P/D decode, once the store holds
   every block or ``wait_s`` has passed; such a load waits aside, holding up no other) gets
-  the blocks through ``kvstore.client.scatter``: each
-  is verified where it lies (the daemon's arena on shared memory, a receive row over TCP) and
-  copied straight into its place in a CPU cache, or into a host ring that is then copied into a
-  CUDA cache (``BlockLayout.scatter``). Only the leading run of verified blocks counts; the
+  the blocks through the loader every connector shares (``kvstore.transfer.loader``,
+  ``BlockLayout`` its cache target): each is verified where it lies (the daemon's arena on
+  shared memory, a receive row over TCP) and copied straight into its place in a CPU cache,
+  or into a pooled host ring sent on to a CUDA cache in groups (``BlockLayout.scatter``).
+  Only the leading run of verified blocks counts; the
   blocks after it are reported failed and vLLM recomputes them (its
   ``kv_load_failure_policy: recompute``). Unverified bytes never reach a cache.
-- ``save(SaveSpec)`` copies the blocks out at once, into a put buffer laid out as encoded
-  blocks (payload after a 64-byte header, ``kvstore.codec.seal``), and queues it; the save
+- ``save(SaveSpec)`` copies the blocks out at once, into pooled put rows laid out as encoded
+  blocks (payload after a 64-byte header, ``kvstore.codec.seal``), and queues them; the save
   thread skips what the store already holds, seals the rest and puts them in batches.
 - ``finish(req_id)``: vLLM finished a request. One that had any load or save keeps its blocks
   (vLLM holds them for us) until ``poll`` reports it, once every transfer of it is done: an
@@ -29,14 +30,14 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvstore import codec
-from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel, verify_rows
 from kvstore.errors import KVStoreError
+from kvstore.transfer.loader import BlockLoader
+from kvstore.transfer.staging import StagingPool
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm.layout import BlockLayout
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec
@@ -69,7 +70,8 @@ class TransferStats:
 @dataclass
 class _Save:
     spec: SaveSpec
-    buf: np.ndarray                 # [n, HEADER + payload] uint8: the put buffer
+    buf: np.ndarray                 # [n, HEADER + payload] uint8: the put rows
+    rows: torch.Tensor              # the pooled buffer they are the first rows of
 
 
 class Transfers:
@@ -78,11 +80,12 @@ class Transfers:
         self.layout, self.dtype_name = layout, dtype_name
         self.stats = TransferStats()
         self._load_link, self._save_link = load_link, save_link
-        self._kernel = scatter_kernel() if load_path != "python" else None
-        self._load_threads = load_threads   # threads a shared-memory load verifies and copies on
-        self._direct = (not layout.is_cuda) if load_path == "auto" else load_path == "direct"
-        self._template = codec.header_template(dtype_name, layout.block_shape)
+        # The load every connector shares (verified where it lies, pooled buffers);
+        # load_threads: threads a shared-memory load verifies and copies on.
+        self._loader = BlockLoader(layout, dtype_name, layout.block_shape,
+                                   path=load_path, threads=load_threads)  # type: ignore[arg-type]
         self._encoded = codec.HEADER_SIZE + layout.payload_bytes
+        self._put_rows = StagingPool((self._encoded,), torch.uint8, pin=layout.is_cuda)
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed_ids: set[int] = set()
@@ -108,10 +111,10 @@ class Transfers:
         n = len(spec.keys)
         if not n:
             return
-        buf = np.empty((n, self._encoded), dtype=np.uint8)
-        self.layout.gather(spec.block_ids, torch.from_numpy(buf)[:, codec.HEADER_SIZE:])
+        rows = self._put_rows.take(n)
+        self.layout.gather(spec.block_ids, rows[:n, codec.HEADER_SIZE:])
         self._begin(spec.req_id)
-        self._saves.put(_Save(spec, buf))
+        self._saves.put(_Save(spec, rows[:n].numpy(), rows))
 
     def _begin(self, req_id: str) -> None:
         with self._lock:
@@ -205,10 +208,7 @@ class Transfers:
             self._count(failed_blocks=n)
             return 0
         try:
-            if self._kernel is not None:
-                good, corrupt = self._get_scatter(client, spec)
-            else:
-                good, corrupt = self._get_decode(client, spec)
+            good, _, corrupt = self._loader.load(client.get, spec.keys, spec.block_ids)
         except KVStoreError as exc:
             log.warning("kvstore: load of %d blocks failed, recomputing them: %s", n, exc)
             self._load_link.reset()
@@ -217,34 +217,6 @@ class Transfers:
         self._count(loads=1, loaded_blocks=good, loaded_bytes=good * self.layout.payload_bytes,
                     load_s=time.perf_counter() - t0, failed_blocks=n - good, corrupt_blocks=corrupt)
         return good
-
-    def _get_scatter(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
-        assert self._kernel is not None
-        n = len(spec.keys)
-        staging = np.empty((n, self._encoded), dtype=np.uint8)  # the TCP path's landing rows
-        ring: torch.Tensor | None = None
-        if self._direct:
-            slots, offsets, chunk = self.layout.slots(spec.block_ids)
-        else:
-            ring = torch.empty((n, self.layout.payload_bytes), dtype=torch.uint8,
-                               pin_memory=self.layout.is_cuda)
-            slots, offsets, chunk = ring_slots(ring.data_ptr(), self.layout.payload_bytes, n)
-        load = ScatterLoad(self._kernel, self._template, list(spec.keys), slots, offsets, chunk,
-                           staging, threads=self._load_threads)
-        found = client.get(list(spec.keys), list(load.sinks))
-        good, bad = load.leading_run(found)
-        if ring is not None:
-            self.layout.scatter(spec.block_ids[:good], ring)
-        return good, int(bad >= 0 and found[bad])
-
-    def _get_decode(self, client: Any, spec: LoadSpec) -> tuple[int, int]:
-        """Without the native kernel: get into rows, verify each, copy the leading run."""
-        n = len(spec.keys)
-        rows = np.empty((n, self._encoded), dtype=np.uint8)
-        found = client.get(list(spec.keys), [rows[i] for i in range(n)])
-        good, _, corrupt = verify_rows(rows, spec.keys, found, self.dtype_name, self.layout.block_shape)
-        self.layout.scatter(spec.block_ids[:good], torch.from_numpy(rows[:good, codec.HEADER_SIZE:]))
-        return good, corrupt
 
     # --- save thread -----------------------------------------------------------------------
 
@@ -256,6 +228,7 @@ class Transfers:
                 log.exception("kvstore: save of %d blocks failed", len(job.spec.keys))
                 self._count(save_failed_blocks=len(job.spec.keys))
             finally:
+                self._put_rows.give(job.rows)
                 self._done(job.spec.req_id)
 
     def _save(self, job: _Save) -> None:

@@ -1,5 +1,5 @@
-"""Reusable host staging buffers for the connector's loads and saves (see
-:class:`StagingPool`); on CUDA pinned, and handed out again only after their copy is done."""
+"""Reusable host staging buffers for the connectors' loads and saves (our engine's and vLLM's;
+see :class:`StagingPool`); on CUDA pinned, and handed out again only after their copy is done."""
 
 from __future__ import annotations
 
