@@ -19,6 +19,7 @@ flags)::
     .venv/bin/python -m benchmarks.engine_bench     # ModelRunner vs transformers
     .venv/bin/python -m benchmarks.attention_bench  # native decode kernel vs torch
     .venv/bin/python -m benchmarks.save_overlap_bench  # prefill with and without saving to the store
+    .venv/bin/python -m benchmarks.interference_bench  # running streams' ITL while prompts' KV loads: inline vs I/O threads
     .venv/bin/python -m benchmarks.serve_bench      # one serving run against an endpoint
     .venv/bin/python -m benchmarks.sweep            # rates x configurations, with plots
     .venv/bin/python -m benchmarks.compare          # the four serving configurations, one run
