@@ -340,8 +340,8 @@ class Scheduler:
         and asked again when its device hits changed meanwhile or after a preemption. A block
         the store lost since is a short load, recomputed like any miss.
         """
-        if self.connector is None or req.kv.store_failed:
-            return 0
+        if self.connector is None or req.kv.store_failed or most <= 0:
+            return 0   # nothing to ask (the device holds every block the store could give)
         known = self._store_hits.get(req.request_id)
         if known is not None and known[0] == num_device:
             hits = known[1]

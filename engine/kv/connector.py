@@ -134,9 +134,13 @@ class KVStoreConnector:
         load_threads: int | None = None,
         load_path: Literal["auto", "direct", "staged", "python"] = "auto",
         io: Literal["threads", "inline"] = "threads",
+        lookup_wait_s: float = 0.003,
     ) -> None:
         """``io="inline"``: lookups and loads run on the engine thread as the scheduler asks
-        (the step waits for them; kept to measure what the I/O threads save)."""
+        (the step waits for them; kept to measure what the I/O threads save).
+        ``lookup_wait_s``: how long after a lookup was sent the scheduler's question may wait
+        for its answer (a local store answers within it, so the request is not put off a
+        step; a slow one costs the step at most this)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
                 "kv_cache must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
@@ -164,6 +168,7 @@ class KVStoreConnector:
         if io not in ("threads", "inline"):
             raise ValueError(f"io must be 'threads' or 'inline', got {io!r}")
         self.inline = io == "inline"
+        self.lookup_wait_s = lookup_wait_s
         self._load_dir, self._save_dir = directory_of(client), directory_of(self.save_client)
         self._lookup_dir = directory_of(self.lookup_client)
         self._placer = (Placer(self.save_client, self._save_dir)
@@ -174,7 +179,8 @@ class KVStoreConnector:
         self._lookups: queue.SimpleQueue[tuple[str, list[BlockKey], str | None, int] | None] = queue.SimpleQueue()
         self._loads: queue.SimpleQueue[tuple[str, list[BlockKey], list[int], str | None] | None] = queue.SimpleQueue()
         self._io_threads: list[threading.Thread] = []
-        self._asked: dict[str, int] = {}               # request -> first block of its pending lookup
+        self._answered = threading.Condition(self._io_lock)
+        self._asked: dict[str, tuple[int, float]] = {}  # request -> (first block, sent at) pending
         self._answers: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
         self._done: list[tuple[LoadDone, torch.cuda.Event | None]] = []
         self._ready = threading.Event()
@@ -205,16 +211,22 @@ class KVStoreConnector:
         if not self.load_enabled:
             return 0
         rid, start = req.request_id, num_device_hit_tokens // self.block_size
-        with self._io_lock:
-            answer = self._answers.pop(rid, None)
-            pending = self._asked.get(rid)
-        if answer is not None and answer[0] <= start:
-            first, held = answer
-            return max(0, first + held - start) * self.block_size
-        if pending is None or pending > start:
+        for attempt in range(2):
+            with self._answered:
+                pending = self._asked.get(rid)
+                if pending is not None and pending[0] <= start and rid not in self._answers:
+                    # Sent a moment ago: a local store answers within lookup_wait_s.
+                    left = pending[1] + self.lookup_wait_s - time.monotonic()
+                    if left > 0:
+                        self._answered.wait_for(lambda: rid in self._answers, left)
+                answer = self._answers.pop(rid, None)
+                pending = self._asked.get(rid)
+            if answer is not None and answer[0] <= start:
+                first, held = answer
+                return max(0, first + held - start) * self.block_size
+            if attempt or (pending is not None and pending[0] <= start):
+                return None
             self._ask(rid, req.block_keys[start:], req.kv.source, start)
-            if self.inline:
-                return self.get_num_external_hits(req, num_device_hit_tokens)
         return None
 
     def _ask(self, rid: str, keys: Sequence[BlockKey], source: str | None, first: int) -> None:
@@ -225,7 +237,7 @@ class KVStoreConnector:
             return
         self._start_io()
         with self._io_lock:
-            self._asked[rid] = first
+            self._asked[rid] = (first, time.monotonic())
         self._lookups.put((rid, list(keys), source, first))
 
     def start_load(self, req: Request, block_ids: Sequence[int]) -> None:
@@ -280,12 +292,14 @@ class KVStoreConnector:
         while (job := self._lookups.get()) is not None:
             rid, keys, source, first = job
             held = self.lookup(keys, source, client=self.lookup_client, directory=self._lookup_dir)
-            with self._io_lock:
-                if self._asked.get(rid) != first:
+            with self._answered:
+                pending = self._asked.get(rid)
+                if pending is None or pending[0] != first:
                     continue  # finished meanwhile, or asked again from another block
                 del self._asked[rid]
                 self._answers[rid] = (first, held)
                 self._ready.set()
+                self._answered.notify_all()
             self._notify()
 
     def _load_loop(self) -> None:

@@ -241,7 +241,8 @@ def test_engine_protocol_maps_a_request_onto_the_store():
     saver.save(req, [4, 5, 6], req.block_keys[:3])
     assert saver.flush("r").result(timeout=10).saved_blocks == 3
 
-    loader = KVStoreConnector(store, dst, save_all=False)  # a decode worker's default
+    # A decode worker's default; lookup_wait_s=0: the scheduler never waits for an answer.
+    loader = KVStoreConnector(store, dst, save_all=False, lookup_wait_s=0.0)
     woken = []
     loader.on_ready = lambda: woken.append(1)
     loader.lookup_ahead(req)   # answered on the lookup thread, from block 0
@@ -272,6 +273,40 @@ def test_engine_protocol_maps_a_request_onto_the_store():
     loader.close()
 
     assert KVStoreConnector(store, dst, load_enabled=False).get_num_external_hits(req, 0) == 0
+
+
+class SlowLookups(DictStore):
+    """A DictStore whose ``prefix_len`` takes ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def prefix_len(self, keys) -> int:
+        time.sleep(self.delay)
+        return super().prefix_len(keys)
+
+
+def test_a_lookup_just_sent_is_waited_for_briefly_never_long():
+    from engine.api.generate import SamplingParams
+    from engine.core.request import Request
+
+    def request(rid: str) -> Request:
+        return Request(rid, list(range(3 * BS + 2)), SamplingParams(max_tokens=4),
+                       namespace=namespace_id({"test": "wait"}), block_size=BS)
+
+    quick = KVStoreConnector(SlowLookups(0.0), make_cache(), lookup_wait_s=5.0)
+    a = request("a")
+    quick.lookup_ahead(a)
+    assert quick.get_num_external_hits(a, 0) == 0   # answered within the wait: no step lost
+    slow = KVStoreConnector(SlowLookups(1.0), make_cache(), lookup_wait_s=0.05)
+    b = request("b")
+    slow.lookup_ahead(b)
+    t0 = time.monotonic()
+    assert slow.get_num_external_hits(b, 0) is None   # not in after 50 ms: asked next step
+    assert time.monotonic() - t0 < 0.5
+    quick.close()
+    slow.close()
 
 
 def test_a_load_that_fails_on_the_loader_thread_ends_with_nothing_loaded(keys):

@@ -462,3 +462,15 @@ def test_a_request_whose_lookup_is_pending_lets_the_next_one_go_first() -> None:
     # a has its answer now; b's is pending: a computes, b waits its turn behind no one.
     assert plan(step(s)) == [("a", 0, 6)] and b.status is RequestStatus.WAITING
     assert plan(step(s)) == [("b", 0, 5)]
+
+
+def test_a_request_the_device_covers_is_not_kept_waiting_for_a_lookup() -> None:
+    conn = SlowLookup(stored=0)
+    s = with_connector(conn)
+    a = new_request("a", 17, 0.0, max_tokens=1)
+    s.add(a)
+    while s.has_unfinished():
+        step(s)
+    b = new_request("b", 17, 1.0, max_tokens=1)   # its 4 usable blocks are device hits
+    s.add(b)
+    assert plan(step(s)) == [("b", 16, 1)] and "b" not in conn.asked
