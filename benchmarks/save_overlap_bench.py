@@ -16,11 +16,27 @@ Fresh prompts every run, so nothing hits a cache. Prints one JSON line:
   than the effect, these are the figures to read.
 
     .venv/bin/python -m benchmarks.save_overlap_bench --model default --prompt-len 512
+
+``--throughput``: the connector's save path alone, and, with ``--against REV``, the same
+against the connector of another commit (checked out in a temporary worktree), in one run.
+Each side is a child process (this tree's, or REV's on ``PYTHONPATH``) holding a paged cache
+of the model's block shape (random values, no model run) and a ``KVStoreConnector`` to one
+``kvstore serve`` on this host (shared memory); it saves ``--blocks`` blocks under fresh keys
+(``save_blocks`` then ``flush``) ``--reps`` times after four untimed saves (the store holds
+three saves, so every timed put recycles arena pages already touched: a full store's steady
+state), the sides interleaved, and reports per
+side the medians of ``gb_s`` (payload GB acknowledged per second of wall time, queue to
+acknowledgement) and ``cpu_s_per_gb`` (the child's CPU seconds per payload GB: the engine
+thread's copy out of the cache, the saver's encoding, the client's copy into the arena), and
+``throughput_ratio`` / ``cpu_ratio``: this tree over REV::
+
+    .venv/bin/python -m benchmarks.save_overlap_bench --throughput --against 0123abc
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -46,7 +62,7 @@ def _start_store(memory: str) -> tuple[subprocess.Popen, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.save_overlap_bench",
-                                 description=__doc__.split("\n")[0])
+                                 description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
     ap.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default 512)")
     ap.add_argument("--prompts", type=int, default=1, help="prompts per run (default 1)")
@@ -54,11 +70,110 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=8, help="runs per mode, medians taken (default 8)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    ap.add_argument("--throughput", action="store_true",
+                    help="time the save path alone (GB/s, CPU-seconds per GB) instead")
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="with --throughput: also time the connector of git revision REV, "
+                         "interleaved, and report this tree over it")
+    ap.add_argument("--blocks", type=int, default=128,
+                    help="with --throughput: blocks per save (default 128: a 2k-token prompt)")
     return ap
+
+
+# One side of --throughput, run with a tree's connector on sys.path: argv = address, model
+# directory, blocks, reps; prints one JSON line per rep.
+_THROUGHPUT_CHILD = r"""
+import json, sys, time, uuid
+import torch
+import kvstore
+from engine.kv.connector import KVStoreConnector
+from engine.model.config import ModelConfig
+from kvstore.keys import block_keys, namespace_id
+
+address, model_dir, blocks, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+cfg = ModelConfig.from_dir(model_dir)
+bs = 16
+cache = torch.randn(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+conn = KVStoreConnector(kvstore.connect(address), cache, save_client=kvstore.connect(address),
+                        save_all=True)
+payload = cache[:, :, 0].numel() * cache.element_size()
+WARM = 4  # untimed saves first: the store's arena (3 saves' worth) is touched, then recycled
+for rep in range(WARM + reps):
+    keys = block_keys(namespace_id({"bench": "save", "run": uuid.uuid4().hex}),
+                      list(range(blocks * bs)), bs)
+    t0, c0 = time.perf_counter(), time.process_time()
+    conn.save_blocks(keys, list(range(blocks)), request_id="r")
+    result = conn.flush("r").result(timeout=300)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert result.saved_blocks == blocks and not result.failed_blocks, result
+    if rep >= WARM:
+        gb = blocks * payload / 1e9
+        print(json.dumps({"gb_s": gb / wall, "cpu_s_per_gb": cpu / gb}), flush=True)
+conn.close()
+"""
+
+
+def _block_bytes(model_dir: Path) -> int:
+    from engine.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return 64 + cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def throughput(args: argparse.Namespace) -> None:
+    """``--throughput`` (module docstring)."""
+    import tempfile
+
+    from engine.worker.config import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    trees = {"this": REPO}
+    with contextlib.ExitStack() as stack:
+        if args.against:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="save-bench-")))
+            old = tmp / "tree"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old),
+                            args.against], check=True, capture_output=True)
+            stack.callback(subprocess.run, ["git", "-C", str(REPO), "worktree", "remove",
+                                            "--force", str(old)], capture_output=True)
+            trees["against"] = old
+        # Three saves' worth: after the warm-up every put recycles arena pages already touched
+        # (a full store's steady state), so first-touch page faults of a fresh arena, the
+        # store's cost and not the save path's, stay out of the figures.
+        block_bytes = _block_bytes(model_dir)
+        store, address = _start_store(f"{max(16, 3 * args.blocks * block_bytes >> 20)}M")
+        stack.callback(store.wait, 10)
+        stack.callback(store.terminate)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+        order = list(trees)
+        for rep in range(args.reps):
+            for name in order if rep % 2 == 0 else order[::-1]:
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                out = subprocess.run([sys.executable, "-c", _THROUGHPUT_CHILD, address,
+                                      str(model_dir), str(args.blocks), "1"],
+                                     env=env, cwd=trees[name], check=True, capture_output=True,
+                                     text=True, timeout=600)
+                runs[name] += [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    med = {name: {k: statistics.median(r[k] for r in rows) for k in ("gb_s", "cpu_s_per_gb")}
+           for name, rows in runs.items()}
+    report: dict[str, object] = {
+        "bench": "save_throughput", "model": model_dir.name, "blocks": args.blocks,
+        "reps": args.reps, "against": args.against,
+        **{f"{name}_{k}": round(v, 4) for name, m in med.items() for k, v in m.items()},
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
+    }
+    if "against" in med:
+        report["throughput_ratio"] = round(med["this"]["gb_s"] / med["against"]["gb_s"], 3)
+        report["cpu_ratio"] = round(med["this"]["cpu_s_per_gb"] / med["against"]["cpu_s_per_gb"], 3)
+    print(json.dumps(report))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.throughput:
+        throughput(args)
+        return
 
     import torch
 

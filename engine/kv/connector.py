@@ -80,6 +80,7 @@ __all__ = ["ConnectorStats", "LoadTally", "SaveResult", "KVStoreConnector", "tor
 log = logging.getLogger(__name__)
 
 _MAX_BATCH_BYTES = 64 << 20  # a put batch stays under this many encoded bytes
+_SAVE_GROUP = 16             # blocks a CPU save copies out before the saver may start on them
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -421,17 +422,21 @@ class KVStoreConnector:
             return
         if self._closed:
             raise RuntimeError("KVStoreConnector is closed")
-        n = len(keys)
-        buf = self._pool.take(n)
-        payload = buf[:n, codec.HEADER_SIZE:].view(self.dtype).view(n, *self.block_shape)
-        if self.kv_cache.is_cuda:  # gather on the device, then one copy to the host
-            ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
-            payload.copy_(self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5))
-        else:  # strided per-block copies straight into the put rows (no temporary)
-            for i, b in enumerate(block_ids):
-                payload[i].copy_(self.kv_cache[:, :, b])
-        self._saver.put(SaveJob(request_id, list(keys), buf[:n].numpy(), buffer=buf, node=node,
-                                recheck=recheck))
+        # On CPU the copy goes out in groups, each queued as it is done: the saver seals and
+        # puts one group while this thread copies the next. On CUDA one gather and one copy.
+        group = len(keys) if self.kv_cache.is_cuda else _SAVE_GROUP
+        for lo in range(0, len(keys), group):
+            ids, n = list(block_ids[lo:lo + group]), len(block_ids[lo:lo + group])
+            buf = self._pool.take(n)
+            payload = buf[:n, codec.HEADER_SIZE:].view(self.dtype).view(n, *self.block_shape)
+            if self.kv_cache.is_cuda:  # gather on the device, then one copy to the host
+                index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
+                payload.copy_(self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5))
+            else:  # strided per-block copies straight into the put rows (no temporary)
+                for i, b in enumerate(ids):
+                    payload[i].copy_(self.kv_cache[:, :, b])
+            self._saver.put(SaveJob(request_id, list(keys[lo:lo + n]), buf[:n].numpy(), buffer=buf,
+                                    node=node, recheck=recheck))
 
     def flush(self, request_id: str | None = None) -> Future[SaveResult]:
         """A future resolving to ``request_id``'s ``SaveResult`` once its queued saves are done.
