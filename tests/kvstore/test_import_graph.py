@@ -7,11 +7,13 @@ from __future__ import annotations
 import grimp
 
 # Modules allowed to import torch: the optional CUDA tier, which only a daemon loads, the
-# LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors), and the vLLM
-# connector's modules that touch vLLM's caches, which only vLLM loads.
+# LMCache plugin, which only LMCache loads (its MemoryObjs are torch tensors), the vLLM
+# connector's modules that touch vLLM's caches, which only vLLM loads, and kvstore.transfer,
+# the loads and staging buffers that only engines' connectors (ours, vLLM's) load.
 _TORCH_USERS = {"kvstore.node.gpu_tier", "kvstore.integrations.lmcache_plugin",
                 "kvstore.integrations.lmcache_format", "kvstore.integrations.vllm.layout",
-                "kvstore.integrations.vllm.transfers", "kvstore.integrations.vllm.connector"}
+                "kvstore.integrations.vllm.transfers", "kvstore.integrations.vllm.connector",
+                "kvstore.transfer.loader", "kvstore.transfer.staging"}
 
 
 def test_only_the_gpu_tier_imports_torch() -> None:
