@@ -413,7 +413,8 @@ class EngineWorker:
         bm = self.engine.block_manager
         load = LoadFigures(
             waiting=self.engine.num_waiting,
-            running=self.engine.num_running,
+            # A request loading its KV holds its blocks and a sequence slot: it runs next.
+            running=self.engine.num_running + self.engine.num_loading,
             kv_free_blocks=bm.num_free_blocks,
             kv_total_blocks=bm.num_blocks,
             prefill_tokens_per_s=round(self.prefill_rate.rate, 1),

@@ -190,7 +190,7 @@ class SimWorker:
         self._last_publish = t
         s = self.scheduler
         self.load.observe_load(LoadFigures(
-            waiting=len(s.waiting), running=len(s.running),
+            waiting=len(s.waiting), running=len(s.running) + len(s.loading),
             kv_free_blocks=self.blocks.num_free_blocks, kv_total_blocks=self.spec.num_blocks,
             prefill_tokens_per_s=self.prefill_rate.rate, load_tokens_per_s=self.load_rate.rate,
             decode_tokens_per_s=self.decode_rate.rate))
