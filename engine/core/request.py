@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.api.generate import FinishReason, SamplingParams, TokenLogprob
 from kvstore.keys import BlockKey, block_keys, extend_block_keys
@@ -68,8 +68,8 @@ class LoadTally:
     seconds: float = 0.0
 
     def add(self, other: LoadTally) -> None:
-        for name in ("loaded", "requested", "missing", "corrupt", "bytes", "seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass

@@ -64,13 +64,12 @@ from engine.core.request import LoadTally
 from engine.kv.handoff import Placer, directory_of, source_client
 from engine.kv.saver import SaveJob, SaveResult, Saver
 from engine.kv.scatter import PagedCache, direct
-from kvstore.transfer.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
-from kvstore.transfer.loader import BlockLoader
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.native.blocks import VERIFY_CODES
+from kvstore.transfer.loader import BlockLoader
+from kvstore.transfer.staging import StagingPool
 
 if TYPE_CHECKING:
     from engine.core.request import Request
