@@ -136,7 +136,7 @@ class Endpoint:
 
     def __init__(self, ep: Any) -> None:
         self._ep = ep
-        self._inflight: list[Any] = []
+        self._inflight: list[tuple[Any, Any]] = []  # (request, its buffer)
         self.stuck = False  # close() could not see a posted request finish
 
     def _open(self) -> Any:
@@ -147,20 +147,25 @@ class Endpoint:
     def send(self, views: Sequence[Any], tags: Sequence[int]) -> list[Any]:
         """Post one tagged send a view (the views stay untouched until their requests end)."""
         ep = self._open()
-        reqs = [ep.tag_send(_Array(v), _lib.UCXXTag(t)) for v, t in zip(views, tags)]
-        self._track(reqs)
+        arrays = [_Array(v) for v in views]
+        reqs = [ep.tag_send(a, _lib.UCXXTag(t)) for a, t in zip(arrays, tags)]
+        self._track(reqs, arrays)
         return reqs
 
     def recv(self, views: Sequence[Any], tags: Sequence[int]) -> list[Any]:
         """Post one tagged receive a view (written until its request ends, or is cancelled)."""
         ep = self._open()
-        reqs = [ep.tag_recv(_Array(v), _lib.UCXXTag(t)) for v, t in zip(views, tags)]
-        self._track(reqs)
+        arrays = [_Array(v) for v in views]
+        reqs = [ep.tag_recv(a, _lib.UCXXTag(t)) for a, t in zip(arrays, tags)]
+        self._track(reqs, arrays)
         return reqs
 
-    def _track(self, reqs: list[Any]) -> None:
-        live = [r for r in self._inflight if not r.completed]
-        live += reqs
+    def _track(self, reqs: list[Any], arrays: list[Any]) -> None:
+        """Hold each request with its buffer until it ended: UCX reads or writes the memory
+        by address, and a request does not keep its buffer alive (a caller's temporary, such
+        as a value's parts joined for one send, would be freed and reused mid-transfer)."""
+        live = [(r, a) for r, a in self._inflight if not r.completed]
+        live += zip(reqs, arrays)
         self._inflight = live
 
     def close(self) -> bool:
@@ -173,7 +178,7 @@ class Endpoint:
             ep.close_blocking()
         except Exception:
             pass
-        self.stuck = not _settle(self._inflight, time.monotonic() + _CLOSE_WAIT)
+        self.stuck = not _settle([r for r, _ in self._inflight], time.monotonic() + _CLOSE_WAIT)
         self._inflight = []
         return not self.stuck
 

@@ -114,6 +114,20 @@ def test_a_value_of_parts_is_stored_as_their_concatenation(client):
     assert client.get_bytes(keys) == [want, b"x"]
 
 
+def test_values_of_parts_survive_memory_reuse_while_in_flight(client):
+    """UCX joins a value's parts into a temporary for its one send, and reads it by address
+    until the send ends: the temporary must outlive the send, whatever the allocator does
+    meanwhile (here: many values, large enough to go by rendezvous, in one put)."""
+    heads = [np.full(64, i, np.uint8) for i in range(16)]
+    bodies = [torch.full((64 * 1024,), float(i)) for i in range(16)]
+    for _ in range(3):
+        keys = rand_keys(16)
+        assert client.put(keys, [Parts(h, b) for h, b in zip(heads, bodies)]) == [True] * 16
+        got = client.get_bytes(keys)
+        for i, g in enumerate(got):
+            assert g == heads[i].tobytes() + bodies[i].numpy().tobytes(), f"value {i} differs"
+
+
 class Split(Sink):
     """Lands a block of ``size`` bytes in two arrays (its first 8 bytes apart) when asked."""
 
