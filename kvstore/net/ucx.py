@@ -179,7 +179,8 @@ class Endpoint:
         except Exception:
             pass
         self.stuck = not _settle([r for r, _ in self._inflight], time.monotonic() + _CLOSE_WAIT)
-        self._inflight = []
+        if not self.stuck:  # a request UCX may still touch keeps its buffer for good
+            self._inflight = []
         return not self.stuck
 
 
