@@ -25,8 +25,9 @@ each kill the seconds until full capacity is back:
   it again, and every current worker has served a request phase that arrived after that
   (the router's view of the whole fleet back; ``not_routed_to`` lists those still missing).
 
-``back_s`` is null when that did not happen before the run ended (``--settle`` seconds after
-the load stops). Targets: 0 failed, 0 differing outputs, every ``back_s`` <= 15. The cluster
+Each return is seen in requests served, so the load goes on past ``--duration`` while a kill
+is not yet back, for at most ``--settle`` seconds more; ``back_s`` is null when it did not
+come back by then. Targets: 0 failed, 0 differing outputs, every ``back_s`` <= 15. The cluster
 secret is read from the file ``kvrouter up`` writes (``cluster.json``'s ``secret_file``),
 ``Cluster.secret``, for calls to workers or the store; the bench makes none today: it talks
 to the router (the public API) and reads etcd. ``OUT/chaos_timeline.png``: completions and
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-kill-at", type=float, default=10.0, help="seconds into the load of the first kill (default 10)")
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20)")
     p.add_argument("--settle", type=float, default=20.0,
-                   help="seconds after the load to wait for capacity still coming back (default 20)")
+                   help="at most this many seconds past --duration the load goes on while a kill's "
+                        "return is not yet measured (default 20)")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds the cluster has to come up (default 300)")
@@ -160,15 +162,21 @@ async def complete(client: httpx.AsyncClient, url: str, model: str, prompt: list
 
 
 async def drive(cluster: Cluster, args: argparse.Namespace, model: str, prompts: list[list[int]],
-                reference: list[str], t0: float) -> list[dict[str, Any]]:
-    """``--concurrency`` loops sending the prompts in turn until ``--duration`` ends."""
+                reference: list[str], t0: float, all_back: asyncio.Event) -> list[dict[str, Any]]:
+    """``--concurrency`` loops sending the prompts in turn until ``--duration`` ends, then on
+    until ``all_back`` (every kill's return measured: it is seen in requests served) or
+    ``--settle`` seconds more."""
     results: list[dict[str, Any]] = []
-    stop_at = t0 + args.duration
+    stop_at, settle_end = t0 + args.duration, t0 + args.duration + args.settle
     counter = iter(range(10 ** 9))
     salt = None if args.no_salt else f"chaos{args.seed}"
 
+    def going() -> bool:
+        now = time.time()
+        return now < stop_at or (now < settle_end and not all_back.is_set())
+
     async def loop(client: httpx.AsyncClient) -> None:
-        while time.time() < stop_at:
+        while going():
             i = next(counter) % len(prompts)
             rec: dict[str, Any] = {"prompt": i, "start": time.time() - t0}
             try:
@@ -256,14 +264,17 @@ def check(w: Watch, cluster: Cluster, state: dict[str, Any], records: list[dict[
             return
 
 
-async def chaos(cluster: Cluster, args: argparse.Namespace, t0: float, done: asyncio.Event) -> list[Watch]:
-    """Kill each kind at its moment; follow every kill until it is back or the run ends."""
+async def chaos(cluster: Cluster, args: argparse.Namespace, t0: float, done: asyncio.Event,
+                all_back: asyncio.Event) -> list[Watch]:
+    """Kill each kind at its moment; follow every kill until it is back (then ``all_back``) or
+    the run ends."""
     kinds = [k for k in args.kills.split(",") if k]
     plan = [(t0 + args.first_kill_at + i * args.kill_every, k) for i, k in enumerate(kinds)]
     watches: list[Watch] = []
     records: list[dict[str, Any]] = []
-    offset = 0
+    offset, last_look = 0, False
     while True:
+        load_ended = done.is_set()   # then the records read below hold every request but the last few
         state = cluster.state()
         while plan and time.time() >= plan[0][0]:
             _, kind = plan.pop(0)
@@ -279,10 +290,12 @@ async def chaos(cluster: Cluster, args: argparse.Namespace, t0: float, done: asy
                 await asyncio.to_thread(check, w, cluster, state, records)
                 if w.back is not None:
                     print(f"[chaos] {w.child} back {w.back - w.at:.1f} s after its kill", file=sys.stderr, flush=True)
-        if done.is_set() and not plan and all(w.back is not None for w in watches):
-            return watches
-        if time.time() > t0 + args.duration + args.settle:
-            return watches
+        if not plan and all(w.back is not None for w in watches):
+            all_back.set()
+        if load_ended and (all_back.is_set() or time.time() > t0 + args.duration + args.settle):
+            if last_look:   # one more read after the load ended: the router logs a request as it ends
+                return watches
+            last_look = True
         await asyncio.sleep(0.25)
 
 
@@ -323,14 +336,14 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
                 reference.append(await complete(client, cluster.router, served, p, args.max_tokens,
                                                 None if args.no_salt else f"ref{args.seed}"))
         t0 = time.time()
-        done = asyncio.Event()
+        done, all_back = asyncio.Event(), asyncio.Event()
 
         async def load() -> list[dict[str, Any]]:
             try:
-                return await drive(cluster, args, served, prompts, reference, t0)
+                return await drive(cluster, args, served, prompts, reference, t0, all_back)
             finally:
                 done.set()
-        results, watches = await asyncio.gather(load(), chaos(cluster, args, t0, done))
+        results, watches = await asyncio.gather(load(), chaos(cluster, args, t0, done, all_back))
         restarts = _launcher_restarts(cluster.metrics_url)
         final = _final_view(cluster)
     finally:

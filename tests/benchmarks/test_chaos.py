@@ -2,8 +2,8 @@
 worker, the store and etcd are SIGKILLed in turn. No request may fail and no output may differ
 from the one recorded before the kills; the time until capacity is back is reported (asserted
 loosely: every killed child was restarted, and its return measured within the run; the 15 s
-target is the full run's). 14 s of settling after the last kill: 8 s let etcd's return go
-unmeasured on a machine loaded by other work (load average 4)."""
+target is the full run's). A return is seen in requests served, so the load goes on past its
+22 s until every return is measured (at most 30 s more: a bound, not a wait)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_bounded_chaos_run_loses_no_request_and_changes_no_output(tmp_path: Path
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.chaos_bench", "--out", str(tmp_path), "--duration", "22",
-         "--first-kill-at", "3", "--kill-every", "5", "--settle", "14", "--prompts", "8"],
+         "--first-kill-at", "3", "--kill-every", "5", "--settle", "30", "--prompts", "8"],
         cwd=REPO, capture_output=True, text=True, env=env, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     rec = json.loads(done.stdout.strip().splitlines()[-1])
