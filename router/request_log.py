@@ -37,32 +37,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from engine.api.generate import Phase, RequestStats
 from router.placement.route import Route
 
-__all__ = ["RequestRecord", "RequestLog", "PhaseStats"]
+if TYPE_CHECKING:
+    from router.placement.failover import PhaseRun
+
+__all__ = ["RequestRecord", "RequestLog"]
 
 _logger = logging.getLogger(__name__)
 records_logger = logging.getLogger("kvrouter.requests")
-
-
-@dataclass
-class PhaseStats:
-    """One worker phase of a request (a prefill, a decode, a resumed decode, a full run)."""
-
-    worker_id: str
-    phase: Phase
-    ok: bool = True
-    error: str | None = None
-    output_tokens: int = 0
-    stats: RequestStats | None = None    # the worker's final stats; None when the phase failed
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "phase": self.phase, "ok": self.ok,
-                "error": self.error, "output_tokens": self.output_tokens,
-                "stats": self.stats.to_json() if self.stats is not None else {}}
 
 
 @dataclass
@@ -80,7 +65,7 @@ class RequestRecord:
     decode_workers: list[str] = field(default_factory=list)
     prefill_retries: int = 0
     decode_resumes: int = 0
-    phases: list[PhaseStats] = field(default_factory=list)
+    phases: list[PhaseRun] = field(default_factory=list)   # each that ended, in order
     arrival_unix: float = field(default_factory=time.time)
     _t0: float = field(default_factory=time.monotonic, repr=False)
     timeline: dict[str, float] = field(default_factory=lambda: {"queued": 0.0})
@@ -90,9 +75,6 @@ class RequestRecord:
         if once and event in self.timeline:
             return
         self.timeline[event] = round(time.monotonic() - self._t0, 6)
-
-    def add_phase(self, phase: PhaseStats) -> None:
-        self.phases.append(phase)
 
     def summary(self) -> dict[str, Any]:
         """Token and byte totals over the phases, by where the prompt's KV came from."""

@@ -25,9 +25,9 @@ Where a choice starts is its :class:`~router.placement.route.Plan`:
 
 Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
 
-- A prefill that fails is retried once on another prefill worker (``prefill_retries``,
-  ``router.placement.prefill.choose_retry``); a ``"full"`` run that fails before its first
-  token likewise, on a decode worker.
+- A prefill that fails before its token is retried once on another prefill worker
+  (``prefill_retries``, ``router.placement.prefill.choose_retry``); a ``"full"`` run that
+  fails before its first token likewise, on a decode worker.
 - A stream that breaks after tokens were sent resumes on another decode-capable worker with
   ``phase="decode"`` and ``output_token_ids`` = every token sent so far: that worker loads the
   prompt's full blocks from the store, recomputes the rest, and continues. Sampling
@@ -37,10 +37,16 @@ Failures (``WorkerUnavailable``: unreachable, 5xx, a broken stream):
 - ``WorkerRejected`` (4xx, or ``KeyMismatch``) is not retried: the orchestrator lets it
   propagate (``router.http.errors`` says what the client sees).
 
+A prefill's first token: the worker holds it back until every full prompt block is in the
+store and sends it right before its final line (``engine.worker.worker``), so it is handed on
+as it arrives, like every other token. A prefill stream that breaks after that token (before
+its final line) resumes like a decode stream would: on a decode worker, from the tokens sent.
+
 Every decode worker is chosen by ``router.placement.decode.choose_decode``. Each phase books
 its prompt tokens and KV blocks on its worker (``WorkerLoad.assign``) and releases them when
-the phase ends, however it ends. Each phase's final stats go to the ``RequestRecord`` (for the
-log) and, typed, to the run (for the client: :meth:`ChoiceRun.final`).
+the phase ends, however it ends. Each phase that ended, well or not, is the ``RequestRecord``'s
+(its :class:`PhaseRun`, with the worker's final stats when it finished); the client's final
+stats are made from those (:meth:`ChoiceRun.final`).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 from engine.api.blocks import blocks_needed
 from engine.api.generate import (FinishReason, GenerateChunk, GenerateFinal, GenerateRequest,
@@ -60,7 +66,7 @@ from router.placement.errors import NoCapacity
 from router.placement.prefill import choose_retry
 from router.placement.route import Plan
 from router.placement.serving import ServeRequest
-from router.request_log import PhaseStats, RequestRecord
+from router.request_log import RequestRecord
 from router.workers.client import WorkerUnavailable
 from router.workers.load import Assignment
 from router.workers.pool import WorkerHandle
@@ -88,14 +94,31 @@ class RunHooks:
 
 @dataclass(eq=False, slots=True)
 class PhaseRun:
-    """One worker phase in flight: where, what was sent, what it holds in the books."""
+    """One worker phase (a prefill, a decode, a resumed decode, a full run): where, what was
+    sent, what it holds in the books, and how it ended: ``error`` when it failed, the worker's
+    final ``stats`` when it finished. The request log writes it (:meth:`to_dict`)."""
 
     worker: WorkerHandle
     phase: Phase
     request: GenerateRequest
     books: Assignment
-    produced: int = 0                                  # output tokens it streamed
-    held: list[GenerateChunk] = field(default_factory=list)   # a prefill's, until its final
+    output_tokens: int = 0                             # output tokens it streamed
+    error: str | None = None
+    stats: RequestStats | None = None                  # its final line's; None unless it finished
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request log's entry (``router.request_log``); a failed phase has no stats."""
+        return {"worker_id": self.worker_id, "phase": self.phase, "ok": self.ok,
+                "error": self.error, "output_tokens": self.output_tokens,
+                "stats": self.stats.to_json() if self.stats is not None else {}}
 
 
 _PROMPT_FIELDS = ("computed_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
@@ -106,7 +129,7 @@ assert {f.name for f in fields(RequestStats)} == {*_PROMPT_FIELDS, *_MOVED_FIELD
 
 
 def request_stats(phases: Sequence[RequestStats]) -> RequestStats:
-    """A request's stats from its successful phases' (``router.placement.serving`` says why):
+    """A request's stats from its finished phases' (``router.placement.serving`` says why):
     how the prompt was served is the first phase's figures (a decode phase loads the same
     prompt again; counting it twice would report more cached tokens than the prompt has); KV
     bytes and store seconds are summed over every phase."""
@@ -133,7 +156,6 @@ class ChoiceRun:
     block_keys: list[BlockKey] | None = None       # the prefill's prompt block keys, for the decode
     kv_source: str | None = None                   # the store node the prefill handed them to
     kv_transfer_params: dict | None = None         # a vLLM prefill's, for its decode
-    stats: list[RequestStats] = field(default_factory=list)   # each successful phase's
     _next: Phase | None = None
     _next_worker: WorkerHandle | None = None
     _current: PhaseRun | None = None
@@ -141,7 +163,6 @@ class ChoiceRun:
     _failed: set[str] = field(default_factory=set)
     _prefill_errors: list[str] = field(default_factory=list)
     _full_retried: bool = False
-    _resumes: int = 0
 
     def __post_init__(self) -> None:
         self._next, self._next_worker = self.plan.route.first_phase, self.plan.first
@@ -196,54 +217,45 @@ class ChoiceRun:
 
     # --- what a phase streams -----------------------------------------------------------
     def chunk(self, run: PhaseRun, chunk: GenerateChunk) -> GenerateChunk | None:
-        """A token line of ``run``: the chunk to hand on now (None: nothing, or held until a
-        prefill's final line, which the worker sends together with it anyway)."""
+        """A token line of ``run``: the chunk to hand on (None: it holds no token)."""
         run.books.prefill_done()
         if not chunk.token_ids:
             return None
-        run.produced += len(chunk.token_ids)
-        if run.phase == "prefill":
-            run.held.append(chunk)
-            return None
-        self.record.mark("prefill_end" if run.phase == "full" else "decode_first")
+        run.output_tokens += len(chunk.token_ids)
+        self.record.mark("decode_first" if run.phase == "decode" else "prefill_end")
         self.sent.extend(chunk.token_ids)
         return chunk
 
-    def finished(self, run: PhaseRun, final: GenerateFinal) -> list[GenerateChunk]:
-        """``run``'s final line: recorded; returns the chunks it held (a prefill's first token)."""
+    def finished(self, run: PhaseRun, final: GenerateFinal) -> None:
+        """``run``'s final line: recorded; a prefill's plans the decode."""
         self._end(run)
-        wid = run.worker.worker_id
-        self._live.pop(wid, None)
+        self._live.pop(run.worker_id, None)
         run.worker.load.observe_stats(final.stats)
-        self.stats.append(final.stats)
-        self.record.add_phase(PhaseStats(wid, run.phase, output_tokens=run.produced,
-                                         stats=final.stats))
+        run.stats = final.stats
+        self.record.phases.append(run)
         if self.hooks.on_phase:
-            self.hooks.on_phase(wid, run.phase, final)
+            self.hooks.on_phase(run.worker_id, run.phase, final)
         if run.phase != "prefill":
             self.finish_reason = final.finish_reason
             self.record.mark("decode_end")
-            return []
+            return
         self.record.mark("prefill_end")
         self.block_keys, self.kv_source = final.block_keys, final.kv_node
         self.kv_transfer_params = final.kv_transfer_params
-        for chunk in run.held:
-            self.sent.extend(chunk.token_ids)
         if final.finish_reason == "stop" or len(self.sent) >= self.request.sampling.max_tokens:
             self.finish_reason = "stop" if final.finish_reason == "stop" else "length"
         else:
             self._next = "decode"
-        return run.held
 
     def failed(self, run: PhaseRun, exc: WorkerUnavailable) -> None:
         """``run``'s worker failed it: plan the retry or the resume, or raise ``NoCapacity``."""
         self._end(run)
-        wid = run.worker.worker_id
+        wid = run.worker_id
         self._failed.add(wid)
         self._abort(self._live.pop(wid, None))         # a 5xx from a live worker: free it there
-        self.record.add_phase(PhaseStats(wid, run.phase, ok=False, error=str(exc),
-                                         output_tokens=run.produced))
-        if run.phase == "prefill":
+        run.error = str(exc)
+        self.record.phases.append(run)
+        if run.phase == "prefill" and not self.sent:
             self._prefill_errors.append(str(exc))
             log.warning("request %s: prefill on %s failed (%s)", self.request.request_id, wid, exc)
             attempts = len(self._prefill_errors)
@@ -264,10 +276,9 @@ class ChoiceRun:
             self._failover("prefill_retry")
             self._next = "full"
             return
-        self._resumes += 1
-        if self._resumes > self.max_resumes:
+        if self.record.decode_resumes >= self.max_resumes:
             raise NoCapacity(f"request {self.request.request_id}: gave up after "
-                             f"{self._resumes - 1} resumes: {exc}") from exc
+                             f"{self.record.decode_resumes} resumes: {exc}") from exc
         self.record.decode_resumes += 1
         self._failover("decode_resume")
         self._next = "decode" if self.sent else run.phase   # continue from the store + sent tokens
@@ -279,7 +290,8 @@ class ChoiceRun:
 
     def final(self) -> GenerateFinal:
         """The choice's last item: its finish reason and the request's stats."""
-        return GenerateFinal(self.finish_reason or "length", request_stats(self.stats))
+        return GenerateFinal(self.finish_reason or "length", request_stats(
+            [p.stats for p in self.record.phases if p.stats is not None]))
 
     def close(self) -> None:
         """However the choice ended: release the books, tell every worker still holding the

@@ -116,9 +116,7 @@ class Orchestrator:
                     async with aclosing(phase.worker.client.generate(phase.request)) as items:
                         async for item in items:
                             if isinstance(item, GenerateFinal):
-                                for chunk in run.finished(phase, item):
-                                    record.mark("first_token")
-                                    yield chunk
+                                run.finished(phase, item)
                                 break
                             if (chunk := run.chunk(phase, item)) is not None:
                                 record.mark("first_token")

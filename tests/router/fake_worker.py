@@ -36,7 +36,7 @@ class FakeWorker:
         self.load = LoadFigures(kv_free_blocks=100, kv_total_blocks=100)
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
-        self.break_after: int | None = None   # close a generate stream after N tokens
+        self.break_after: int | None = None   # end a generate stream after N tokens, unfinished
         self.snapshots = 0
         self.script: list[int] | None = None  # ids to generate (default: prompt[-1] + 1, ...)
         self.token_delay = 0.0
@@ -132,6 +132,9 @@ class FakeWorker:
                     line["logprobs"] = [{"logprob": -0.25, "top": top}]
                 await resp.write(json.dumps(line).encode() + b"\n")
                 await asyncio.sleep(self.token_delay)
+            if self.break_after is not None and min(end, gen.sampling.max_tokens) - start <= self.break_after \
+                    and reason == "length":
+                return resp  # every token sent, but not the final line
         finally:
             self.in_progress.discard(gen.request_id)
         stats = self.stats or RequestStats(computed_prompt_tokens=len(gen.prompt_token_ids),

@@ -292,6 +292,61 @@ def test_final_stats_are_how_the_prompt_was_served_plus_every_phase_s_transfers(
     _run(body())
 
 
+def test_a_prefill_s_token_is_handed_on_as_it_arrives(tmp_path: Path) -> None:
+    """The worker sends a prefill's token once its blocks are stored, right before its final
+    line; the router hands it on as it comes, not after the final line."""
+    async def body() -> None:
+        p, d = await FakeWorker("p", "prefill").start(), await FakeWorker("d", "decode").start()
+        p.token_delay = 2.0                        # the prefill's final line comes 2 s later
+        orch, pool, log_path = await _fake_router(tmp_path, p, d, mode="disaggregated")
+        try:
+            stream = orch.serve(ServeRequest("r9", "tiny", [1, 2], SamplingParams(max_tokens=3)))
+            async with aclosing(stream):
+                first = await anext(stream)
+                assert first.token_ids == [3] and "r9" in p.in_progress   # no final line yet
+                rest = [x async for x in stream]
+            assert [t for x in rest[:-1] for t in x.token_ids] == [4, 5]
+            assert isinstance(rest[-1], GenerateFinal) and rest[-1].finish_reason == "length"
+            assert [(r.phase, r.output_token_ids) for r in d.requests] == [("decode", [3])]
+            rec = records(log_path)[0]
+            assert [(x["phase"], x["output_tokens"], x["ok"]) for x in rec["phases"]] == [
+                ("prefill", 1, True), ("decode", 2, True)]
+            tl = rec["timeline"]
+            assert tl["prefill_start"] <= tl["prefill_end"] <= tl["first_token"] < tl["decode_end"]
+        finally:
+            await pool.close()
+            await p.stop()
+            await d.stop()
+    _run(body())
+
+
+def test_a_prefill_broken_after_its_token_resumes_as_a_decode(tmp_path: Path) -> None:
+    """The token was handed on: the prefill is not retried (that would send it twice); the
+    decode continues from it, without the final line's block keys, each token once."""
+    async def body() -> None:
+        p1, p2 = await FakeWorker("p1", "prefill").start(), await FakeWorker("p2", "prefill").start()
+        d = await FakeWorker("d", "decode").start()
+        p1.break_after = p2.break_after = 1        # either prefill: its token, no final line
+        orch, pool, log_path = await _fake_router(tmp_path, p1, p2, d, mode="disaggregated")
+        try:
+            items = [x async for x in orch.serve(ServeRequest("r10", "tiny", [1, 2],
+                                                              SamplingParams(max_tokens=4)))]
+            assert [t for x in items[:-1] for t in x.token_ids] == [3, 4, 5, 6]
+            assert len(p1.requests) + len(p2.requests) == 1        # no prefill retry
+            resumed = d.requests[0]
+            assert (resumed.phase, resumed.output_token_ids, resumed.block_keys) == ("decode", [3], None)
+            rec = records(log_path)[0]
+            assert rec["prefill_retries"] == 0 and rec["decode_resumes"] == 1
+            assert [(x["phase"], x["output_tokens"], x["ok"]) for x in rec["phases"]] == [
+                ("prefill", 1, False), ("decode", 3, True)]
+            assert rec["output_tokens"] == 4 and rec["status"] == "ok"
+        finally:
+            await pool.close()
+            for w in (p1, p2, d):
+                await w.stop()
+    _run(body())
+
+
 def test_a_broken_stream_resumes_with_the_tokens_already_sent(tmp_path: Path) -> None:
     async def body() -> None:
         wa, wb = await FakeWorker("wa").start(), await FakeWorker("wb").start()
