@@ -10,9 +10,9 @@ a batched one-way TOUCH (recency, hit counters; ``kvstore.net.connection``). Key
 settle (absent, SSD- or GPU-resident, a slot that kept changing) and every get with a
 ``Sink`` among its buffers take the PIN path: PIN + copy from the mapped arena + UNPIN
 (``kvstore.client.shm_path``). Otherwise values travel in PUT/GET frames
-(``kvstore.net.protocol``), received straight into the caller's buffers with scatter reads
-(one ``recvmsg_into`` fills many blocks; a one-block get's header, size and first bytes come
-in one). On another host, where the daemon serves UCX (``kvstore serve --ucx``), ``ucxx``
+(``kvstore.client.tcp_path``; the frames are ``kvstore.net.protocol``'s), received straight
+into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many blocks; a
+one-block get's header, size and first bytes come in one). On another host, where the daemon serves UCX (``kvstore serve --ucx``), ``ucxx``
 imports here and TLS is off, the values travel as tagged UCX messages instead, from the
 caller's memory into reserved slots and from pinned slots into the caller's buffers
 (``kvstore.client.ucx_path``; the wire in ``kvstore.net.ucx``). ``transport="tcp"``,
@@ -60,7 +60,7 @@ import numpy as np
 
 from kvstore import secret, tls as tls_settings
 from kvstore.net import protocol as P
-from kvstore.client import cuda_path, shm_path, ucx_path
+from kvstore.client import cuda_path, shm_path, tcp_path, ucx_path
 from kvstore.client.transport import TRANSPORTS, Transport
 from kvstore.net.buffers import Dest, source_parts
 from kvstore.net import ucx
@@ -69,7 +69,6 @@ from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 
 __all__ = ["Client", "parse_address"]
-
 
 
 def _chunks(n: int, size: int = P.MAX_BATCH) -> Iterator[slice]:
@@ -196,7 +195,7 @@ class Client:
                 elif conn.ucx is not None:
                     ucx_path.put(conn, keys[lo:hi], srcs[lo:hi], self._timeout)
                 else:
-                    self._put_tcp(conn, keys[lo:hi], srcs[lo:hi])
+                    tcp_path.put(conn, keys[lo:hi], srcs[lo:hi])
             return hi - lo
         except StoreFull:
             if hi - lo == 1:
@@ -223,7 +222,7 @@ class Client:
                 elif conn.ucx is not None:
                     found += ucx_path.get(conn, keys[sl], dests[sl], self._timeout)
                 else:
-                    found += self._get_tcp(conn, keys[sl], dests[sl])
+                    found += tcp_path.get(conn, keys[sl], dests[sl])
         return found
 
     def get_bytes(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -237,12 +236,7 @@ class Client:
                 if conn.ucx is not None:
                     out += ucx_path.read(conn, keys[sl], self._timeout)
                     continue
-                _, meta = conn.exchange(P.Op.GET, P.pack_keys(keys[sl]), keep_data=True,
-                                        expect=8 * (sl.stop - sl.start))
-                bufs = [None if s == P.MISSING else bytearray(s)
-                        for s in np.frombuffer(meta, "<u8").tolist()]
-                conn.recv([b for b in bufs if b is not None])
-                out += [None if b is None else bytes(b) for b in bufs]
+                out += tcp_path.read(conn, keys[sl])
         return out
 
     def get_cuda(self, keys: Sequence[bytes], tensors: Sequence[Any]) -> list[bool]:
@@ -345,66 +339,6 @@ class Client:
         with self._request() as conn:
             _, meta = conn.exchange(op, P.pack_keys(keys), expect=4)
         return P._U32.unpack(meta)[0]
-
-    def _put_tcp(self, conn: Connection, keys, srcs: list[list[np.ndarray]]) -> None:
-        sizes = [sum(p.nbytes for p in ps) for ps in srcs]
-        total = sum(sizes)
-        if total > conn.hello["max_data"]:
-            raise StoreFull(f"a put of {total} bytes exceeds the node's {conn.hello['max_data']}"
-                            "-byte arena; put fewer blocks at once or raise its --memory")
-        conn.exchange(P.Op.PUT, P.pack_keys_sizes(keys, sizes), [p for ps in srcs for p in ps],
-                      expect=len(keys))
-
-    def _get_one_tcp(self, conn: Connection, key: bytes, d: Dest) -> bool:
-        """One block: its answer's header, size and first bytes in one ``recv``, straight
-        into the buffer (a buffer too small for the block may have been written)."""
-        view = d.array.data  # a memoryview of the flat uint8 buffer
-        h, meta, got = conn.exchange_into(P.Op.GET, P.pack_keys([key]), expect=8, spill=view)
-        s = int.from_bytes(meta, "little")
-        if s == P.MISSING:
-            return False
-        if s > d.array.nbytes:
-            conn.drain(h.data_len - got)
-            raise ValueError(f"buffer 0 holds {d.array.nbytes} bytes, its block is {s}")
-        if got < s:
-            conn.recv([view[got:s]])
-        if d.staged:
-            d.finish(s)
-        return True
-
-    def _get_tcp(self, conn: Connection, keys, dests: list[Dest]) -> list[bool]:
-        if len(keys) == 1 and dests[0].array.nbytes and dests[0].sink is None:
-            return [self._get_one_tcp(conn, keys[0], dests[0])]
-        h, meta = conn.exchange(P.Op.GET, P.pack_keys(keys), keep_data=True, expect=8 * len(keys))
-        sizes = np.frombuffer(meta, "<u8").tolist()
-        views: list[list[np.ndarray]] = []
-        landed: list[bool] = []  # the block lands where its sink asked (``Sink.landing``)
-        for i, (d, s) in enumerate(zip(dests, sizes)):
-            if s == P.MISSING:
-                continue
-            land = d.sink.landing(s) if d.sink is not None else None
-            if land is None and s > d.array.nbytes:
-                conn.drain(h.data_len)
-                raise ValueError(f"buffer {i} holds {d.array.nbytes} bytes, its block is {s}")
-            views.append(land if land is not None else [d.array[:s]])
-            landed.append(land is not None)
-        present = [(d, s) for d, s in zip(dests, sizes) if s != P.MISSING]
-        if any(d.sink is not None for d, _ in present):
-            # A sink consumes each block as soon as it lands, while it is still in cache (or
-            # is told its bytes are where it asked); the daemon keeps sending meanwhile.
-            for (d, s), view, there in zip(present, views, landed):
-                conn.recv(view)
-                if there:
-                    assert d.sink is not None
-                    d.sink.landed(s)
-                else:
-                    d.finish(s)
-        else:
-            conn.recv([v for vs in views for v in vs])  # every block, in key order, in few syscalls
-            for d, s in present:
-                if d.staged:
-                    d.finish(s)
-        return [s != P.MISSING for s in sizes]
 
     def _get_indexed(self, conn: Connection, keys, buffers) -> list[bool] | None:
         """``get`` of plain buffers through the index (``shm_path.read_plain``); None: take
