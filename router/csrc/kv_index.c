@@ -11,9 +11,6 @@
  *                        mask into ``active`` (the workers asked about) until none is left;
  *                        a worker whose bit drops out at key i gets ``result[names[slot]] = i``,
  *                        those still holding at the end get ``len(keys)``. Returns None.
- *   depths(keys, ids, slot_of) -> list
- *                        the same walk for the workers ``ids`` (``slot_of``: id -> bit slot;
- *                        an id not in it holds nothing): their leading keys, in ``ids`` order
  *   len(table)           distinct keys held
  *
  * Layout: open addressing with linear probing over entries {k0, k1, mask} (the key's two
@@ -323,73 +320,6 @@ static PyObject *Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
-/* depths(keys, ids: list, slot_of: dict) -> list: the leading keys held by each of ``ids``
- * (0 for an id not in ``slot_of``), in the order of ``ids``. */
-static PyObject *Table_depths(Table *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[1]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "depths(keys, ids: list, slot_of: dict)");
-        return NULL;
-    }
-    PyObject *ids = args[1], *slot_of = args[2];
-    Py_ssize_t nids = PyList_GET_SIZE(ids);
-    uint64_t active = 0, asked = 0;
-    for (Py_ssize_t k = 0; k < nids; k++) {
-        PyObject *v = PyDict_GetItemWithError(slot_of, PyList_GET_ITEM(ids, k));
-        if (!v) {
-            if (PyErr_Occurred())
-                return NULL;
-            continue;
-        }
-        long s = PyLong_AsLong(v);
-        if (s < 0 || s >= 64) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "a slot outside 0..63");
-            return NULL;
-        }
-        active |= (uint64_t)1 << s;
-    }
-    asked = active;
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0, depth[64];
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (active)
-        prefetch_start(t, items, n);
-    for (; active && i < n; i++) {
-        prefetch_step(t, items, n, i);
-        uint64_t held = lookup(t, items[i]) & active, lost = active & ~held;
-        while (lost) {
-            depth[__builtin_ctzll(lost)] = i;
-            lost &= lost - 1;
-        }
-        active = held;
-    }
-    while (active) {
-        depth[__builtin_ctzll(active)] = n;
-        active &= active - 1;
-    }
-    Py_DECREF(seq);
-    PyObject *out = PyList_New(nids);
-    if (!out)
-        return NULL;
-    for (Py_ssize_t k = 0; k < nids; k++) {
-        Py_ssize_t d = 0;
-        if (asked) {
-            PyObject *v = PyDict_GetItemWithError(slot_of, PyList_GET_ITEM(ids, k));
-            if (v)
-                d = depth[PyLong_AsLong(v)];
-        }
-        PyObject *o = PyLong_FromSsize_t(d);
-        if (!o) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, k, o);
-    }
-    return out;
-}
-
 static Py_ssize_t Table_len(Table *t) {
     return (Py_ssize_t)t->used;
 }
@@ -418,8 +348,6 @@ static PyMethodDef Table_methods[] = {
     {"get", (PyCFunction)Table_get, METH_O, "get(key) -> mask"},
     {"match", (PyCFunction)(void (*)(void))Table_match, METH_FASTCALL,
      "match(keys, active, names, result)"},
-    {"depths", (PyCFunction)(void (*)(void))Table_depths, METH_FASTCALL,
-     "depths(keys, ids, slot_of) -> list"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -197,18 +197,20 @@ class Orchestrator:
         if self.mode == "auto":
             dec = choose_decode(decode, n, max_tokens)
             if dec is not None:
-                est = self.policy.estimates([dec.load], keys, n, store_blocks)[0]
-                if prefer_local(est, self.auto_threshold) or not prefill:
-                    return self._decided(decode, dec.worker_id, est.uncached_tokens,
+                local = self.policy.choose([dec.load], keys, n, store_blocks)
+                assert local is not None
+                if prefer_local(local[1], self.auto_threshold) or not prefill:
+                    return self._decided(decode, dec.worker_id, local[1].uncached_tokens,
                                          Route.AUTO_LOCAL, start)
         if store_down:
             dec = choose_decode(decode, n, max_tokens)
             if dec is None:
                 raise NoCapacity(f"no decode worker's KV cache can hold {n} prompt + "
                                  f"{max_tokens} output tokens")
-            est = self.policy.estimates([dec.load], keys, n, 0)[0]
-            return self._decided(decode, dec.worker_id, est.uncached_tokens, Route.STORE_DOWN,
-                                 start)
+            local = self.policy.choose([dec.load], keys, n, 0)
+            assert local is not None
+            return self._decided(decode, dec.worker_id, local[1].uncached_tokens,
+                                 Route.STORE_DOWN, start)
         if not prefill:
             raise NoCapacity(f"no prefill worker serves {request.model!r} now; start one "
                              "(`kvengine serve --role prefill`) or use --mode auto")

@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Collection, Sequence
 from typing import Literal
 
-from router.placement.cost import PrefillEstimate, estimate_prefill, ttft_each
+from router.placement.cost import PrefillEstimate, estimate_prefill
 from router.workers.kv_index import KvIndex
 from router.workers.load import WorkerLoad
 from router.workers.pool import WorkerHandle
@@ -42,48 +42,34 @@ class PrefillPolicy:
         self._index = index
         self._counter = itertools.count()
 
-    def estimates(
-        self, candidates: Sequence[WorkerLoad], keys: Sequence[bytes], num_tokens: int,
-        store_blocks: int = 0,
-    ) -> list[PrefillEstimate]:
-        """Every candidate's estimate (one index walk for all of them)."""
-        matches = self._index.match(keys, [w.worker_id for w in candidates])
-        return [estimate_prefill(w, num_tokens, matches[w.worker_id], store_blocks)
-                for w in candidates]
-
     def choose(
         self, candidates: Sequence[WorkerLoad], keys: Sequence[bytes], num_tokens: int,
         store_blocks: int = 0,
     ) -> tuple[WorkerLoad, PrefillEstimate] | None:
-        """The chosen worker and its estimate; None when there is no candidate."""
+        """The chosen worker and its estimate; None when there is no candidate. One candidate
+        is the choice whatever the policy (the rotation does not move): the estimate of a
+        given worker is ``choose([worker], ...)``."""
         if not candidates:
             return None
-        if self.name == "round-robin":
-            ordered = sorted(candidates, key=lambda w: w.worker_id)
-            w = ordered[next(self._counter) % len(ordered)]
-            return w, self._estimate(w, keys, num_tokens, store_blocks)
-        # One index walk, then a float per candidate (one loop, ``ttft_each``); the minimum
-        # of (primary, secondary, worker id) is what sorting by worker id and taking the first
-        # minimum would give.
-        ids = [w.info.worker_id for w in candidates]
-        depths = self._index.match_list(keys, ids)
-        ttfts = ttft_each(candidates, num_tokens, depths, store_blocks)
+        depths = self._index.match(keys, [w.worker_id for w in candidates])
+        if len(candidates) == 1 or self.name == "round-robin":
+            w = candidates[0] if len(candidates) == 1 else \
+                sorted(candidates, key=lambda w: w.worker_id)[next(self._counter) % len(candidates)]
+            return w, estimate_prefill(w, num_tokens, depths[w.worker_id], store_blocks)
+        ests = [estimate_prefill(w, num_tokens, depths[w.worker_id], store_blocks)
+                for w in candidates]
         if self.name == "kv-aware":
-            low = min(ttfts)
+            low = min(e.ttft_s for e in ests)
             near = low + max(NEAR_S, NEAR_REL * low)
             # equal estimates: the most device hits, the lowest estimate, the least loaded,
             # then the lowest worker id
-            i = min((i for i, t in enumerate(ttfts) if t <= near),
-                    key=lambda i: (-depths[i], ttfts[i], candidates[i].load, ids[i]))
+            i = min((i for i, e in enumerate(ests) if e.ttft_s <= near),
+                    key=lambda i: (-depths[ests[i].worker_id], ests[i].ttft_s,
+                                   candidates[i].load, ests[i].worker_id))
         else:
-            i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
-        best = candidates[i]
-        return best, estimate_prefill(best, num_tokens, depths[i], store_blocks)
-
-    def _estimate(self, w: WorkerLoad, keys: Sequence[bytes], num_tokens: int,
-                  store_blocks: int) -> PrefillEstimate:
-        return estimate_prefill(w, num_tokens, self._index.match(keys, [w.worker_id])[w.worker_id],
-                                store_blocks)
+            i = min(range(len(candidates)),
+                    key=lambda i: (candidates[i].load, ests[i].ttft_s, ests[i].worker_id))
+        return candidates[i], ests[i]
 
 
 def choose_retry(candidates: Sequence[WorkerHandle], failed: Collection[str]) -> WorkerHandle | None:

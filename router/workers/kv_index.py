@@ -69,7 +69,6 @@ class KvIndex:
         self._holders: dict[bytes, int] = {}  # the Python path's table (while _table is None)
         self._workers: dict[str, _Worker] = {}
         self._names: list[str | None] = []    # worker id by slot (None: a free slot)
-        self._slot_of: dict[str, int] = {}    # slot by worker id
         self._all = 0                         # every worker's bit
         self._free_slots: list[int] = []
 
@@ -93,7 +92,6 @@ class KvIndex:
         if slot >= NATIVE_SLOTS and self._table is not None:
             self._to_python(f"worker slot {slot} does not fit a 64-bit mask")
         w = self._workers[worker_id] = _Worker(slot)
-        self._slot_of[worker_id] = slot
         self._all |= w.bit
 
     def remove_worker(self, worker_id: str) -> None:
@@ -103,7 +101,6 @@ class KvIndex:
             return
         self._drop_keys(w, list(w.keys))
         self._names[w.slot] = None
-        del self._slot_of[worker_id]
         self._all &= ~w.bit
         self._free_slots.append(w.slot)
 
@@ -193,14 +190,6 @@ class KvIndex:
             result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
             active ^= low
         return result
-
-    def match_list(self, keys: Sequence[bytes], workers: Sequence[str]) -> list[int]:
-        """``[match(keys, workers)[w] for w in workers]``: a decision's candidates, in order."""
-        if self._table is not None:
-            ids = workers if type(workers) is list else list(workers)
-            return self._table.depths(keys, ids, self._slot_of)
-        matches = self.match(keys, workers)
-        return [matches[w] for w in workers]
 
     def holders(self, key: bytes) -> list[str]:
         mask = self._holders.get(key, 0) if self._table is None else self._table.get(key)

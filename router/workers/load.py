@@ -5,9 +5,9 @@ reported :class:`LoadFigures`, a learned cost model of its prefill and of its st
 (:class:`~router.workers.fit.LinearCost`), and what this router has sent it and not yet seen
 finish (:class:`Assignment`: prefill tokens still queued there, KV blocks the request may
 fill, from ``engine.api.blocks.blocks_needed``). The pool keeps one per worker and feeds it
-the worker's load events; placement books requests on it and reads it (``queue_s``,
-``load``, ``free_blocks``). Free blocks = total - max(reported used, blocks this router
-reserved there).
+the worker's load events; placement books requests on it and reads it (the TTFT estimate,
+``router.placement.cost``, reads its costs and its queue; ``load``, ``free_blocks``). Free
+blocks = total - max(reported used, blocks this router reserved there).
 """
 
 from __future__ import annotations
@@ -106,19 +106,6 @@ class WorkerLoad:
         self.inflight_requests += 1
         self.reserved_blocks += blocks
         return Assignment(self, prefill_tokens, blocks)
-
-    @property
-    def queue_s(self) -> float:
-        """Estimated wait before a new prefill starts here: the prefills this router booked
-        (their tokens and their overheads), plus requests the worker reports waiting beyond
-        those (other routers'), each costed as a prefill of the mean measured size."""
-        c = self.prefill_cost
-        wait = self.pending_prefill_tokens * c.per_token_s + self.pending_prefills * c.overhead_s
-        others = self.figures.waiting - self.pending_prefills
-        if others > 0:
-            mean = c.mean_tokens
-            wait += others * c.seconds(self.rates.pivot_tokens if mean is None else mean)
-        return wait
 
     @property
     def load(self) -> int:

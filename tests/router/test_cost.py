@@ -1,6 +1,6 @@
-"""The decision's fast paths against the plain cost model: ``ttft_each`` (every candidate in
-one loop, ``WorkerLoad.queue_s`` inlined) gives ``estimate_prefill(...).ttft_s`` bit for bit,
-and ``PrefillPolicy.choose`` picks what sorting every estimate would pick, ties included."""
+"""The cost model against its documented arithmetic (``router.placement.cost``), written out
+here again on random books, and ``PrefillPolicy.choose`` against every candidate's estimate:
+it picks what sorting them would pick, near ties included."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from engine.api.events import LoadFigures, Snapshot
 from engine.api.generate import RequestStats, WorkerInfo
 from kvstore.keys import block_keys
-from router.placement.cost import estimate_prefill, ttft_each, ttft_s
+from router.placement.cost import estimate_prefill
 from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 from router.workers.fit import RateConfig
 from router.workers.kv_index import KvIndex
@@ -39,16 +39,28 @@ def _random_worker(rng: random.Random, i: int, block_size: int | None = None) ->
     return w
 
 
-def test_ttft_each_is_the_estimate_bit_for_bit() -> None:
+def test_the_estimate_is_the_documented_arithmetic() -> None:
     rng = random.Random(7)
-    for _ in range(300):
-        workers = [_random_worker(rng, i) for i in range(rng.randint(1, 8))]
+    for _ in range(1000):
+        w = _random_worker(rng, 0)
         num_tokens = rng.choice([0, 1, 15, 16, 17, rng.randint(1, 9000)])
-        device = [rng.choice([0, 1, rng.randint(0, 600)]) for _ in workers]
-        store = rng.choice([0, rng.randint(0, 600)])
-        want = [estimate_prefill(w, num_tokens, d, store).ttft_s for w, d in zip(workers, device)]
-        assert ttft_each(workers, num_tokens, device, store) == want
-        assert [ttft_s(w, num_tokens, d, store) for w, d in zip(workers, device)] == want
+        device, store = rng.choice([0, 1, rng.randint(0, 600)]), rng.choice([0, rng.randint(0, 600)])
+        c, lc, bs = w.prefill_cost, w.load_cost, w.info.block_size
+        queue = w.pending_prefill_tokens * c.per_token_s + w.pending_prefills * c.overhead_s
+        if w.figures.waiting > w.pending_prefills:   # other routers' requests: the mean size
+            mean = c.mean_tokens if c.mean_tokens is not None else w.rates.pivot_tokens
+            queue += (w.figures.waiting - w.pending_prefills) * (c.overhead_s + mean * c.per_token_s)
+        last = max(num_tokens - 1, 0)                # the last prompt token is always computed
+        dev_hit = min(device * bs, last)
+        store_hit = min(store * bs, last) - dev_hit if store > device else 0
+        uncached = num_tokens - dev_hit - store_hit
+        e = estimate_prefill(w, num_tokens, device, store)
+        assert (e.worker_id, e.device_hit_tokens, e.store_hit_tokens, e.uncached_tokens) == (
+            "w0", dev_hit, store_hit, uncached)
+        assert e.queue_s == pytest.approx(queue, rel=1e-12, abs=1e-15)
+        assert e.compute_s == pytest.approx(c.overhead_s + uncached * c.per_token_s, rel=1e-12)
+        assert e.load_s == (pytest.approx(lc.overhead_s + store_hit * lc.per_token_s, rel=1e-12)
+                            if store_hit else 0.0)
 
 
 @pytest.mark.parametrize("policy_name", ["kv-aware", "least-loaded"])
@@ -64,13 +76,13 @@ def test_choose_is_the_minimum_of_every_estimate_near_ties_included(policy_name:
         else:
             workers = [_random_worker(rng, i, 16) for i in range(n)]
         rng.shuffle(workers)
-        index = KvIndex()
+        index, held = KvIndex(), {}
         for w in workers:
-            held = 0 if trial % 3 == 0 else rng.randint(0, len(keys))
-            index.reset(w.worker_id, Snapshot(0, tuple(keys[:held]), LoadFigures()))
+            held[w.worker_id] = 0 if trial % 3 == 0 else rng.randint(0, len(keys))
+            index.reset(w.worker_id, Snapshot(0, tuple(keys[:held[w.worker_id]]), LoadFigures()))
         policy = PrefillPolicy(policy_name, index)  # type: ignore[arg-type]
         num_tokens, store = len(keys) * 16 + rng.randint(0, 15), rng.randint(0, len(keys))
-        ests = policy.estimates(workers, keys, num_tokens, store)
+        ests = [estimate_prefill(w, num_tokens, held[w.worker_id], store) for w in workers]
         load = {w.worker_id: w.load for w in workers}
         if policy_name == "kv-aware":   # near-equal estimates: the most device hits first
             low = min(e.ttft_s for e in ests)

@@ -9,6 +9,7 @@ from engine.api.generate import RequestStats, WorkerInfo
 from engine.api.events import LoadFigures, Snapshot
 from kvstore.keys import block_keys
 from engine.api.blocks import blocks_needed
+from router.placement.cost import PrefillEstimate
 from router.placement.decode import Balance, choose_decode
 from router.placement.prefill import PrefillPolicy, prefer_local
 from router.workers.fit import LinearCost, RateConfig
@@ -33,6 +34,14 @@ def _index_with(holdings: dict[str, int], keys: list[bytes] = KEYS) -> KvIndex:
     for wid, n in holdings.items():
         index.reset(wid, Snapshot(0, tuple(keys[:n]), LoadFigures()))
     return index
+
+
+def _estimate(policy: PrefillPolicy, w: WorkerLoad, keys: list[bytes], num_tokens: int,
+              store_blocks: int = 0) -> PrefillEstimate:
+    """``w``'s estimate: the choice among ``w`` alone."""
+    chosen = policy.choose([w], keys, num_tokens, store_blocks)
+    assert chosen is not None and chosen[0] is w
+    return chosen[1]
 
 
 def _prefill(tokens: int, seconds: float) -> RequestStats:
@@ -123,7 +132,7 @@ def test_worker_measured_on_tiny_prompts_still_wins_the_long_prompt_it_holds() -
     # what its tiny prompts showed, big's rate is its real rate.
     assert small.prefill_cost.overhead_s == pytest.approx(0.02, rel=0.25)
     assert big.prefill_cost.tokens_per_s == pytest.approx(4000, rel=0.05)
-    by_id = {e.worker_id: e for e in policy.estimates([small, big], keys, len(prompt))}
+    by_id = {w.worker_id: _estimate(policy, w, keys, len(prompt)) for w in (small, big)}
     assert by_id["big"].ttft_s == pytest.approx(true_s(2000), rel=0.05)
     assert by_id["small"].ttft_s < true_s(2000) / 3
 
@@ -136,7 +145,7 @@ def test_estimate_follows_a_change_in_rate() -> None:
     n = len(PROMPT)
 
     def compute_s() -> float:
-        return policy.estimates([w], KEYS, n)[0].compute_s
+        return _estimate(policy, w, KEYS, n).compute_s
 
     assert compute_s() == pytest.approx(RATES.prefill_overhead_s + n / 1000.0)  # the priors
     sizes = (64, 256, 1024)
@@ -164,12 +173,12 @@ def test_estimate_follows_a_change_in_rate() -> None:
     # A rate reported in a load event raises the prior of a worker not measured yet; a
     # reported rate is never lower than the overhead-free one, so it never lowers the prior.
     fresh = _worker("f")
-    prior = policy.estimates([fresh], KEYS, n)[0].compute_s
+    prior = _estimate(policy, fresh, KEYS, n).compute_s
     fresh.observe_load(LoadFigures(prefill_tokens_per_s=250.0))
-    assert policy.estimates([fresh], KEYS, n)[0].compute_s == pytest.approx(prior)
+    assert _estimate(policy, fresh, KEYS, n).compute_s == pytest.approx(prior)
     fresh.observe_load(LoadFigures(prefill_tokens_per_s=8000.0))
     assert fresh.prefill_rate.value > 1000.0
-    assert policy.estimates([fresh], KEYS, n)[0].compute_s < prior
+    assert _estimate(policy, fresh, KEYS, n).compute_s < prior
     fresh.observe_load(LoadFigures(prefill_tokens_per_s=0.0))   # 0.0: not measured
     assert fresh.prefill_rate.samples == 2
 
@@ -183,7 +192,7 @@ def test_estimate_follows_a_change_in_queue() -> None:
     n = len(PROMPT)
 
     def queue_s() -> float:
-        return policy.estimates([w], KEYS, n)[0].queue_s
+        return _estimate(policy, w, KEYS, n).queue_s
 
     assert queue_s() == 0.0
     # This router books prefills there: their tokens and their overheads queue.
@@ -246,7 +255,7 @@ def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix(
     worker, est = policy.choose([a, b], KEYS, n)
     assert worker is b and est.device_hit_tokens == 256 and est.uncached_tokens == 69
     assert est.ttft_s == pytest.approx(0.089)
-    assert policy.estimates([a], KEYS, n)[0].ttft_s == pytest.approx(0.345)
+    assert _estimate(policy, a, KEYS, n).ttft_s == pytest.approx(0.345)
     for k, winner in ((265, b), (276, a)):
         booking = b.assign(prefill_tokens=k)
         assert policy.choose([a, b], KEYS, n)[0] is winner, k
@@ -267,20 +276,20 @@ def test_cached_prefix_worker_loses_exactly_when_its_queue_outweighs_the_prefix(
 def test_store_hits_cost_load_overhead_plus_tokens_at_the_load_rate() -> None:
     a = _worker("a")
     policy = PrefillPolicy("kv-aware", _index_with({"a": 4}))
-    est = policy.estimates([a], KEYS, len(PROMPT), store_blocks=20)[0]
+    est = _estimate(policy, a, KEYS, len(PROMPT), store_blocks=20)
     assert est.device_hit_tokens == 4 * BS and est.store_hit_tokens == 16 * BS
     assert est.uncached_tokens == 5
     assert est.load_s == pytest.approx(RATES.load_overhead_s + 16 * BS / 10_000.0)
-    assert policy.estimates([a], KEYS, len(PROMPT))[0].load_s == 0.0  # no store hit, no cost
+    assert _estimate(policy, a, KEYS, len(PROMPT)).load_s == 0.0  # no store hit, no cost
     # Learned like the prefill cost, from finished requests' store loads.
     for _ in range(30):
         for s in (64, 512, 2048):
             a.observe_stats(RequestStats(store_hit_tokens=s, store_load_s=0.005 + s / 100_000))
-    est = policy.estimates([a], KEYS, len(PROMPT), store_blocks=20)[0]
+    est = _estimate(policy, a, KEYS, len(PROMPT), store_blocks=20)
     assert est.load_s == pytest.approx(0.005 + 16 * BS / 100_000, rel=0.05)
     # A fully cached prompt still computes its last token.
     full = list(range(2 * BS))
-    est = policy.estimates([a], block_keys(NS, full, BS), len(full), store_blocks=2)[0]
+    est = _estimate(policy, a, block_keys(NS, full, BS), len(full), store_blocks=2)
     assert est.uncached_tokens == 1
 
 
@@ -292,6 +301,8 @@ def test_least_loaded_and_round_robin() -> None:
     assert PrefillPolicy("least-loaded", index).choose([a, b, c], KEYS, len(PROMPT))[0] is c
     rr = PrefillPolicy("round-robin", index)
     assert [rr.choose([c, a, b], KEYS, 1)[0].worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert rr.choose([c], KEYS, 1)[0] is c                 # one candidate: the rotation stays
+    assert [rr.choose([c, a, b], KEYS, 1)[0].worker_id for _ in range(2)] == ["b", "c"]
     assert rr.choose([], KEYS, 1) is None
     with pytest.raises(ValueError, match="unknown prefill policy"):
         PrefillPolicy("random", index)  # type: ignore[arg-type]
@@ -354,7 +365,7 @@ def _handle(load: WorkerLoad) -> WorkerHandle:
 def test_auto_mode_threshold() -> None:
     a = _worker("a", "colocated")
     policy = PrefillPolicy("kv-aware", _index_with({"a": 20}))
-    est = policy.estimates([a], KEYS, len(PROMPT))[0]
+    est = _estimate(policy, a, KEYS, len(PROMPT))
     assert prefer_local(est, threshold_tokens=64)
-    est = policy.estimates([a], KEYS[:1], 10 * BS + 7)[0]
+    est = _estimate(policy, a, KEYS[:1], 10 * BS + 7)
     assert not prefer_local(est, threshold_tokens=64)
