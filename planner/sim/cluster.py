@@ -181,9 +181,10 @@ class SimCluster:
         if cfg.mode == "auto":
             dec = choose_decode(decode, n, max_tokens)
             if dec is not None:
-                est = self.policy.estimates([dec.load], c.keys, n, store_blocks)[0]
-                if prefer_local(est, cfg.auto_threshold) or not prefill:
-                    self._start(c, Route.AUTO_LOCAL, dec.worker_id, est.uncached_tokens, t)
+                local = self.policy.choose([dec.load], c.keys, n, store_blocks)
+                assert local is not None
+                if prefer_local(local[1], cfg.auto_threshold) or not prefill:
+                    self._start(c, Route.AUTO_LOCAL, dec.worker_id, local[1].uncached_tokens, t)
                     return
         chosen = self.policy.choose([w.load for w in prefill], c.keys, n, store_blocks)
         if chosen is None:

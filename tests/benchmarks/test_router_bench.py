@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.router_bench import build_workload, make_index, make_workers
+from router.placement.cost import estimate_prefill
 from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,9 @@ def test_match_and_choice_agree_with_plain_references() -> None:
             assert index.match(keys) == _reference_match(index, keys)
             cands = rng.sample(workers, rng.randint(1, len(workers)))
             n, store = len(keys) * 16 + rng.randint(0, 15), rng.randint(0, len(keys))
-            ests = sorted(policy.estimates(cands, keys, n, store), key=lambda e: e.worker_id)
+            depth = _reference_match(index, keys)
+            ests = sorted((estimate_prefill(w, n, depth.get(w.worker_id, 0), store) for w in cands),
+                          key=lambda e: e.worker_id)
             load = {w.worker_id: w.load for w in cands}
             if policy_name == "kv-aware":   # near-equal estimates: the most device hits first
                 low = min(e.ttft_s for e in ests)
