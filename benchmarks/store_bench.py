@@ -73,7 +73,7 @@ from tqdm import tqdm
 
 from kvstore import Client
 from kvstore.keys import BlockKey
-from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
+from kvstore.net.sockio import recv_buffers, send_buffers, tune_socket
 
 from benchmarks import lifecycle
 from kvstore.daemon.local import start_local

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvstore.daemon.local import start_local, stop_local
+from kvstore.net import sockio
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,9 +61,9 @@ def _hold(port: int, n: int, ready, stop) -> None:
             socks.append(s)
         for s in socks:
             hdr = bytearray(P.HEADER_SIZE)
-            P.recv_exact(s, memoryview(hdr))
+            sockio.recv_exact(s, memoryview(hdr))
             h = P.unpack_header(hdr)
-            P.recv_exact(s, memoryview(bytearray(h.meta_len)))
+            sockio.recv_exact(s, memoryview(bytearray(h.meta_len)))
             if h.flags & P.FLAG_ERROR:
                 raise RuntimeError("the daemon refused an idle connection")
         ready.put(len(socks))

@@ -14,7 +14,7 @@ client, which times, for every block size and batch of ``store_bench``:
   preallocated buffers, then an 8-byte answer.
 
 Both sides of the raw socket are set up as the client's and the daemon's
-(``protocol.tune_socket``), so the raw pair is the link with a free protocol: the limit. The
+(``sockio.tune_socket``), so the raw pair is the link with a free protocol: the limit. The
 four are timed interleaved (one of each per round, ``--iters`` rounds after a warm-up); each
 figure is the best round, with the median ratio beside it. Ratios are ours / raw.
 
@@ -92,7 +92,7 @@ def _raw_server(port: int, max_bytes: int, tls: bool = False) -> None:
     preallocated buffers, answer 8 bytes. Both sockets tuned as the daemon's; with ``tls``
     wrapped in TLS (the settings of ``$KVCACHE_TLS_*``, as the daemon's), moved by the same
     helpers the daemon uses on TLS sockets."""
-    from kvstore.net.protocol import recv_buffers, send_buffers, tune_socket
+    from kvstore.net.sockio import recv_buffers, send_buffers, tune_socket
 
     src = np.random.default_rng(1).integers(0, 256, max_bytes, dtype=np.uint8)
     dst = np.ones(max_bytes, np.uint8)
@@ -129,7 +129,7 @@ class _Raw:
     """Host 0's end of the raw socket."""
 
     def __init__(self, address: str, tls: bool = False) -> None:
-        from kvstore.net.protocol import tune_socket
+        from kvstore.net.sockio import tune_socket
 
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
@@ -143,13 +143,13 @@ class _Raw:
         self._ack = memoryview(bytearray(8))
 
     def get(self, bufs: list[np.ndarray]) -> None:
-        from kvstore.net.protocol import recv_buffers
+        from kvstore.net.sockio import recv_buffers
 
         self.sock.sendall(np.array([OP_GET, bufs[0].nbytes, len(bufs)], _HDR).tobytes())
         recv_buffers(self.sock, bufs)
 
     def put(self, bufs: list[np.ndarray]) -> None:
-        from kvstore.net.protocol import recv_buffers, send_buffers
+        from kvstore.net.sockio import recv_buffers, send_buffers
 
         head = np.array([OP_PUT, bufs[0].nbytes, len(bufs)], _HDR).tobytes()
         send_buffers(self.sock, [head, *bufs])

@@ -32,7 +32,7 @@ to different nodes run concurrently, results come back in the caller's order):
 For callers that talk to one node themselves (e.g. a prefill->decode handoff):
 ``node_client(node_id)`` is the pooled per-node ``Client`` of a registered node, and
 ``local_node_id`` the registered node on this process's host (same ``host_id`` as
-``kvstore.net.protocol.local_host_id()``: its ``Client`` maps the arena and moves bytes
+``kvstore.net.local_host_id()``: its ``Client`` maps the arena and moves bytes
 over shared memory).
 
 Per-node ``Client``s are created on first use (their path per ``transport``: shared memory,
@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvstore import tls as tls_settings
+from kvstore.net.host_id import local_host_id
 from kvstore.client.node import Client
 from kvstore.client.read_repair import ReadRepair, RepairItem
 from kvstore.client.transport import Transport, pick
@@ -60,7 +61,7 @@ from kvstore.coord import layout, settings
 from kvstore.coord.etcd import EtcdClient, client_for
 from kvstore.coord.membership import Membership, MembershipChange
 from kvstore.client.placement import Placement, View
-from kvstore.net.protocol import local_host_id
+from kvstore.net.host_id import local_host_id
 
 __all__ = ["ClusterClient"]
 

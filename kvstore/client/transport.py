@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from kvstore.net import ucx
-from kvstore.net.protocol import local_host_id
+from kvstore.net.host_id import local_host_id
 
 __all__ = ["Transport", "TRANSPORTS", "pick"]
 

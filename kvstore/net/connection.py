@@ -15,13 +15,13 @@ reconnects, mapping the new instance's index. Reads the index served are kept
 (so the daemon applies them first), once ``TOUCH_KEYS`` keys or ``TOUCH_DELAY_S`` seconds
 are pending (``touch_due``), and, waiting for the answer, at close.
 
-Its socket is set up by ``protocol.tune_socket`` (why each setting: see there); the
+Its socket is set up by ``sockio.tune_socket`` (why each setting: see there); the
 ``timeout`` bounds the connect and every later socket wait, and a timed-out call raises an
 ``OSError``, which ``Client`` turns into ``StoreUnavailable``.
 
 TLS (``kvstore.tls``): given a client context, the socket is wrapped before HELLO (the
 handshake bounded by ``timeout``; the daemon's name checked against the address's host) and
-its timeouts are Python's rather than the kernel's (``protocol.is_tls``). A certificate the
+its timeouts are Python's rather than the kernel's (``sockio.is_tls``). A certificate the
 daemon does not trust, or one of the daemon that this side does not, is an ``AuthError``
 (retrying will not help); HELLO and the cluster secret follow as on plain TCP.
 """
@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.net import protocol as P, ucx
+from kvstore.net import sockio
+from kvstore.net.host_id import local_host_id
 from kvstore.node.arena import Arena
 from kvstore.node.shared_index import IndexReader
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreUnavailable
@@ -128,7 +130,7 @@ class Connection:
             raise StoreUnavailable(f"cannot reach a kvstore daemon at {address} ({e}); "
                                    "check that `kvstore serve` runs there and is reachable") from None
         try:
-            P.tune_socket(sock, timeout)
+            sockio.tune_socket(sock, timeout)
             if tls is not None:
                 sock.settimeout(timeout)
                 sock = tls.wrap_socket(sock, server_hostname=host)
@@ -138,7 +140,7 @@ class Connection:
         conn = cls(sock, traffic)
         try:
             _, meta = conn.exchange(P.Op.HELLO, P.pack_json(
-                {"token": token, "host_id": P.local_host_id(), "pid": os.getpid()}))
+                {"token": token, "host_id": local_host_id(), "pid": os.getpid()}))
             conn.hello = P.unpack_json(meta)
         except (ssl.SSLError, ssl.CertificateError) as e:
             sock.close()
@@ -202,7 +204,7 @@ class Connection:
 
     def _attach(self, use_index: bool) -> None:
         arena = self.hello.get("arena")
-        if not arena or self.hello.get("host_id") != P.local_host_id():
+        if not arena or self.hello.get("host_id") != local_host_id():
             return
         self._traffic.map_attempts += 1
         try:
@@ -220,7 +222,7 @@ class Connection:
             if self.index is not None:
                 self._poll = select.poll()
                 self._poll.register(self.sock.fileno(), _HUNG)
-                self._tls = P.is_tls(self.sock)
+                self._tls = sockio.is_tls(self.sock)
 
     def close(self) -> None:
         if self.ucx is not None:
@@ -320,7 +322,7 @@ class Connection:
         data_len = sum(d.nbytes for d in data) if data else 0
         head = P.pack_header(op, flags, self.rid, len(meta), data_len)
         if data:
-            P.send_buffers(self.sock, [touches, head, meta, *data])
+            sockio.send_buffers(self.sock, [touches, head, meta, *data])
         else:
             self.sock.sendall(touches + head + meta)
         self._traffic.sent += P.HEADER_SIZE + len(meta) + data_len
@@ -329,7 +331,7 @@ class Connection:
             h, rmeta = self._answer(op, P.unpack_header(self._hdr), b"")
             return h, rmeta, 0
         hm = memoryview(bytearray(P.HEADER_SIZE + expect))
-        got = P.recv_at_least(self.sock, [hm] if spill is None else [hm, spill], P.HEADER_SIZE)
+        got = sockio.recv_at_least(self.sock, [hm] if spill is None else [hm, spill], P.HEADER_SIZE)
         self._traffic.received += got
         h = P.unpack_header(hm[:P.HEADER_SIZE])
         if h.meta_len == expect and not h.flags & P.FLAG_ERROR:
@@ -376,10 +378,10 @@ class Connection:
 
     def recv(self, views: list) -> None:
         """Fill each writable view in order (scatter reads, as few syscalls as possible)."""
-        self._traffic.received += P.recv_buffers(self.sock, views)
+        self._traffic.received += sockio.recv_buffers(self.sock, views)
 
     def drain(self, nbytes: int) -> None:
         if self._scratch is None:
             self._scratch = memoryview(bytearray(1 << 20))
-        P.drain(self.sock, nbytes, self._scratch)
+        sockio.drain(self.sock, nbytes, self._scratch)
         self._traffic.received += nbytes

@@ -29,6 +29,7 @@ import threading
 import time
 
 from kvstore.net import protocol as P, tls_io
+from kvstore.net import sockio
 
 __all__ = ["FrameReader", "Close", "FrameTimeout", "RX_BUFFER"]
 
@@ -68,7 +69,7 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, frame_timeout: float) -> None:
         self.sock = sock
-        self.tls = P.is_tls(sock)
+        self.tls = sockio.is_tls(sock)
         self.frame_timeout = frame_timeout
         self.frame_started: float | None = None
         self.want_write = False
@@ -163,7 +164,7 @@ class FrameReader:
         took = self._take(view)
         if took < view.nbytes:
             self._drained = False
-            P.recv_exact(self.sock, view[took:], self._before_recv)
+            sockio.recv_exact(self.sock, view[took:], self._before_recv)
 
     def drain(self, nbytes: int) -> None:
         """Read and discard ``nbytes`` (keeps the stream framed after a refused payload)."""
@@ -172,7 +173,7 @@ class FrameReader:
         nbytes -= self._take(self._scratch[: min(nbytes, _SCRATCH)])
         if nbytes > 0:
             self._drained = False
-            P.drain(self.sock, nbytes, self._scratch, self._before_recv)
+            sockio.drain(self.sock, nbytes, self._scratch, self._before_recv)
 
     # --- internals --------------------------------------------------------------------------
 

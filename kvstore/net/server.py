@@ -52,6 +52,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvstore.net import protocol as P
+from kvstore.net import sockio
+from kvstore.net.host_id import local_host_id
 from kvstore.net.limits import ServerLimits
 from kvstore.net.session import Close, DropReason, FrameTimeout, ServerMetrics, Session
 from kvstore.net.ucx import Worker
@@ -99,7 +101,7 @@ class StoreServer:
                  ucx: bool = False) -> None:
         self.store = store
         self.node_id = node_id
-        self.host_id = P.local_host_id()
+        self.host_id = local_host_id()
         self.limits = limits = limits or ServerLimits()
         self.max_reserve = limits.max_conn_reserve or max(
             P.MAX_BATCH, int(limits.conn_reserve_fraction * store.arena.size))
@@ -252,7 +254,7 @@ class StoreServer:
                              "connections (--max-connections); retry later or use another node")
                 continue
             try:
-                P.tune_socket(sock, self.limits.frame_timeout)
+                sockio.tune_socket(sock, self.limits.frame_timeout)
                 if self._ssl is not None:  # the handshake is the session's first steps
                     sock.settimeout(0.0)
                     sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)

@@ -50,6 +50,7 @@ import numpy as np
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
 from kvstore.net import gpu_ops, protocol as P, tls_io
+from kvstore.net import sockio
 from kvstore.net.frames import Close, FrameReader, FrameTimeout
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore
@@ -128,7 +129,7 @@ class Session:
         self.reserved: dict[BlockKey, int] = {}
         self.reserved_bytes = 0
         self.pins: collections.Counter[BlockKey] = collections.Counter()
-        self.tls = P.is_tls(sock)
+        self.tls = sockio.is_tls(sock)
         self.handshaking = self.tls  # a TLS socket comes before its handshake
         self.ucx: UcxChannel | None = None
         self.stuck = False  # a UCX request outlived its endpoint: keep what it may write
@@ -242,7 +243,7 @@ class Session:
         data_len = sum(v.nbytes for v in data) if data else 0
         head = P.pack_header(h.op, P.FLAG_RESPONSE, h.request_id, len(meta), data_len)
         if data:
-            P.send_buffers(self.sock, [head, meta, *data])
+            sockio.send_buffers(self.sock, [head, meta, *data])
         else:
             self.sock.sendall(head + meta)
 

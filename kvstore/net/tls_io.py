@@ -1,7 +1,7 @@
 """The daemon's non-blocking TLS steps (``kvstore.net.session``; settings in ``kvstore.tls``).
 
 A TLS socket refuses ``MSG_DONTWAIT`` and, blocking with a kernel ``SO_RCVTIMEO``, retries a
-timed-out read forever (``protocol.is_tls``); so a session on TLS reads without waiting by
+timed-out read forever (``sockio.is_tls``); so a session on TLS reads without waiting by
 setting a zero Python timeout for the call, and runs its handshake in non-blocking steps.
 """
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore import AuthError, Client, ProtocolError
 from kvstore.net import protocol as P
+from kvstore.net import sockio
 from kvstore.keys import BlockKey
 
 pytestmark = pytest.mark.integration
@@ -23,12 +24,12 @@ def read_frame(sock):
     """(header, meta), or None when the daemon closed the connection."""
     hdr = bytearray(P.HEADER_SIZE)
     try:
-        P.recv_exact(sock, memoryview(hdr))
+        sockio.recv_exact(sock, memoryview(hdr))
     except ConnectionError:
         return None
     h = P.unpack_header(hdr)
     meta = bytearray(h.meta_len)
-    P.recv_exact(sock, memoryview(meta))
+    sockio.recv_exact(sock, memoryview(meta))
     return h, meta
 
 

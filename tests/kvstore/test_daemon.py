@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
 from kvstore.net import protocol as P
+from kvstore.net import sockio
+from kvstore.net.host_id import local_host_id
 from kvstore.node.arena import SHM_DIR
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
@@ -36,10 +38,10 @@ def hello(sock):
 
 def read_response(sock):
     hdr = bytearray(P.HEADER_SIZE)
-    P.recv_exact(sock, memoryview(hdr))
+    sockio.recv_exact(sock, memoryview(hdr))
     h = P.unpack_header(hdr)
     meta = bytearray(h.meta_len)
-    P.recv_exact(sock, memoryview(meta))
+    sockio.recv_exact(sock, memoryview(meta))
     return h, meta
 
 
@@ -155,7 +157,7 @@ def test_serve_registers_in_etcd_and_deregisters_on_sigterm(start_daemon, etcd):
         value = json.loads(raw)
         assert value["address"] == d.address and value["tiers"] == ["host"]
         assert value["capacity"] == {"memory": 32 * MiB, "ssd": 0, "gpu": 0}
-        assert value["host_id"] == P.local_host_id()
+        assert value["host_id"] == local_host_id()
         assert d.stop() == 0
         assert client.get(layout.store_key(cluster, d.node_id)) is None  # revoked, not expired
     finally:

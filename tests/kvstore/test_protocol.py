@@ -8,6 +8,7 @@ import pytest
 
 from kvstore import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
 from kvstore.net import protocol as P
+from kvstore.net import sockio
 from kvstore.daemon.config import ServerConfig, parse_size
 from kvstore.keys import BlockKey
 
@@ -78,14 +79,14 @@ def test_send_buffers_handles_many_buffers_and_partial_sends():
     bufs.insert(3, b"")  # empty buffers are skipped
     total = sum(len(x) for x in bufs)
     got = bytearray(total)
-    reader = threading.Thread(target=P.recv_exact, args=(b, memoryview(got)))
+    reader = threading.Thread(target=sockio.recv_exact, args=(b, memoryview(got)))
     reader.start()
-    P.send_buffers(a, bufs)
+    sockio.send_buffers(a, bufs)
     reader.join(10)
     assert bytes(got) == b"".join(bytes(x) for x in bufs)
     a.close()
     with pytest.raises(ConnectionError):
-        P.recv_exact(b, memoryview(bytearray(1)))
+        sockio.recv_exact(b, memoryview(bytearray(1)))
     b.close()
 
 

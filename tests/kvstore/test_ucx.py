@@ -12,6 +12,7 @@ import pytest
 from kvstore import Client, ProtocolError, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P, ucx
+from kvstore.net.host_id import local_host_id
 from kvstore.net.buffers import Sink
 from tests.kvstore.test_bad_input import closed, raw, read_frame, wait_alone
 
@@ -264,7 +265,7 @@ def _fake_tls():
 def test_a_cluster_client_picks_by_what_a_node_advertises(monkeypatch):
     from kvstore.client import transport as T
 
-    here, there = P.local_host_id(), "0" * 32
+    here, there = local_host_id(), "0" * 32
     assert T.pick({"host_id": here, "transports": ["tcp", "shm"]}, "auto") == "auto"  # shm
     assert T.pick({"host_id": there, "transports": ["tcp", "shm", "ucx"]}, "auto") == "auto"  # ucx
     assert T.pick({"host_id": there, "transports": ["tcp", "shm"]}, "auto") == "tcp"
