@@ -1,8 +1,8 @@
 """What a benchmark starts, it stops: however the benchmark itself is stopped.
 
 - :func:`popen` starts a child in its own session (process group) with
-  ``PR_SET_PDEATHSIG = SIGTERM`` (the child is told to stop if the benchmark dies, even of
-  SIGKILL) and remembers it;
+  ``PR_SET_PDEATHSIG = SIGTERM`` (``kvstore.proc.die_with_parent``: the child is told to stop
+  if the benchmark dies, even of SIGKILL) and remembers it;
 - :func:`guard` turns SIGTERM and SIGINT into :class:`Interrupted` (so ``finally`` blocks run)
   and, on the way out for any reason (an exception, a signal, a normal end), stops every child
   :func:`popen` started that still runs: SIGTERM to its group, SIGKILL after a grace period;
@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -24,6 +23,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from kvstore.proc import die_with_parent
 
 __all__ = ["Interrupted", "popen", "stop", "kill_pid", "run", "guard", "run_main", "port_in_use"]
 
@@ -41,17 +42,11 @@ class Interrupted(BaseException):
         return f"interrupted by {signal.Signals(self.signum).name}"
 
 
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen(argv, **kwargs)`` in a new session, dying with the benchmark, and
     stopped by :func:`guard` if still running when the benchmark ends."""
-    proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+    proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM),
+                            **kwargs)
     _started.append(proc)
     return proc
 

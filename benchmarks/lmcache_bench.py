@@ -37,7 +37,6 @@ import platform
 import re
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ import numpy as np
 from benchmarks import lifecycle
 from kvstore.daemon.local import start_local
 from kvstore.daemon.config import parse_size
+from kvstore.proc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_PYTHON = Path.home() / ".cache" / "kvcache-store" / "lmcache-bench-venv" / "bin" / "python"
@@ -60,12 +60,6 @@ CHUNK = 256
 
 
 # --------------------------------------------------------------------------- the peers
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
@@ -89,7 +83,7 @@ def start_daemon(memory: str, log_dir: Path) -> str:
 
 def start_lm_server(log_dir: Path, timeout: float) -> int:
     """LMCache's own server, ``python -m lmcache.v1.server HOST PORT cpu``; its port."""
-    port = _free_port()
+    port = free_port()
     proc = lifecycle.popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
                            stdout=open(log_dir / "lm_server.log", "w"), stderr=subprocess.STDOUT,
                            env=dict(os.environ, LMCACHE_LOG_LEVEL="WARNING"))
@@ -103,7 +97,7 @@ def start_mooncake(memory: int, log_dir: Path, timeout: float) -> dict:
     env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
     if not (master := shutil.which("mooncake_master", path=str(Path(sys.executable).parent))):
         raise SystemExit(f"no mooncake_master beside {sys.executable}: run benchmarks/peers/setup_lmcache_peers.sh")
-    meta, rpc, metrics = _free_port(), _free_port(), _free_port()
+    meta, rpc, metrics = free_port(), free_port(), free_port()
     proc = lifecycle.popen(
         [master, "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
          f"--http_metadata_server_port={meta}", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",

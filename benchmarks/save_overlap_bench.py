@@ -125,7 +125,7 @@ def throughput(args: argparse.Namespace) -> None:
     """``--throughput`` (module docstring)."""
     import tempfile
 
-    from engine.worker.config import resolve_model_dir
+    from engine.api.paths import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     trees = {"this": REPO}
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.core.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.model.runner import ModelRunner
-    from engine.worker.config import resolve_model_dir
+    from engine.api.paths import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)

@@ -60,6 +60,7 @@ from benchmarks.load_client import ClientConfig, fetch_model, run_workload
 from benchmarks.step_fidelity import classify
 from benchmarks.sweep import Configuration, Launched
 from engine.profile.format import Profile, Serving, ServingPoint, ServingPrefillPoint, load, nonneg_lstsq, save
+from kvstore.proc import free_port
 from planner.metrics import RequestResult
 from planner.sim.cluster import SimCluster
 from planner.sim.config import ClusterConfig, from_up_flags
@@ -67,7 +68,6 @@ from planner.sim.costs import StepCosts
 from planner.sim.run import Profiles
 from planner.sim.worker import WorkerSpec
 from planner.workloads import BenchRequest, TokenSpace
-from router.cluster.child import free_port
 
 PY = sys.executable
 HOPS_PER_FIRST_TOKEN = 3

@@ -39,7 +39,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from engine.model.runner import ModelRunner, StepItem
-    from router.cluster.launcher import resolve_model_dir
+    from engine.api.paths import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

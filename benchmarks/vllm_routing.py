@@ -130,7 +130,7 @@ def bridge_events(ipc: str) -> str:
     """vllm-router takes ``tcp://HOST:PORT`` event sources only, where our instances publish on
     unix sockets (their events carry prompts' token ids): a loopback TCP republisher of one
     (a ZMQ proxy in this process, microseconds a message)."""
-    from router.cluster.child import free_port
+    from kvstore.proc import free_port
 
     tcp = f"tcp://127.0.0.1:{free_port()}"
     _daemon(_republish, ipc, tcp)
@@ -139,7 +139,7 @@ def bridge_events(ipc: str) -> str:
 
 def bridge_replay(ipc: str) -> str:
     """The same for a replay endpoint (:func:`_relay_replay`)."""
-    from router.cluster.child import free_port
+    from kvstore.proc import free_port
 
     tcp = f"tcp://127.0.0.1:{free_port()}"
     _daemon(_relay_replay, tcp, ipc)
@@ -151,7 +151,7 @@ class Cluster:
     instances), run in this process, and ``vllm-router`` beside it."""
 
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
-        from router.cluster.child import free_port
+        from kvstore.proc import free_port
         from router.cluster.launcher import ClusterSpec, LocalCluster
 
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"   # the instances serve POST /reset_prefix_cache

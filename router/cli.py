@@ -251,10 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- kvrouter serve ------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.api.paths import resolve_model_dir
     from kvstore import tls
     from kvstore.secret import SecretError, resolve
     from router.config import RouterConfig
-    from router.cluster.launcher import LaunchError, resolve_model_dir
     from router.server_main import run_router
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -272,7 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
             scaling=_scaling_config(args))
         tls.configure(tls.from_args(args))   # its calls to workers, the store and etcd
         public_tls = _public_tls(args)
-    except (LaunchError, SecretError, ValueError) as exc:   # TLSError is a ValueError
+    except (FileNotFoundError, SecretError, ValueError) as exc:   # TLSError is a ValueError
         print(f"kvrouter: {exc}", file=sys.stderr)
         return 2
     return run_router(config, log_level=args.log_level, public_tls=public_tls)

@@ -13,11 +13,9 @@ etcd runs with a 50 ms heartbeat and a 500 ms election timeout, so its minimum l
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -27,23 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvstore.proc import die_with_parent, free_port as _free_port
 from tests.hosts_fixture import hosts  # noqa: F401  (the fixture: N hosts in namespaces)
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when pytest dies, so an aborted run leaks no etcd (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _PortTaken(RuntimeError):
@@ -92,8 +77,9 @@ class EtcdServer:
         ]
         seen = self._log.stat().st_size if self._log.exists() else 0   # this start's lines follow
         with open(self._log, "ab") as log:
+            # SIGTERM when pytest dies, so an aborted run leaks no etcd
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGTERM)
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

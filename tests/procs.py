@@ -6,40 +6,27 @@ readiness line appears, stopped by signal, never orphaned.
 SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so an aborted run leaves no orphan.
 ``ServiceProc`` subclasses name their readiness line (``READY``) and read its fields
 (``_on_ready``); ``wait_ready`` polls the log with a deadline and fails with the process's
-stderr when it exits or never becomes ready.
+stderr when it exits or never becomes ready. The ready line is read as the launcher reads its
+children's (``kvstore.proc.ReadyLineChild``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from kvstore.proc import ReadyLineChild, die_with_parent
+
 __all__ = ["REPO", "ServiceProc", "spawn"]
 
 REPO = Path(__file__).resolve().parents[1]
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_pytest(parent: int) -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGKILL when the thread that started it dies (Linux).
-
-    The kernel ties PR_SET_PDEATHSIG to the forking *thread*, so ``spawn`` only uses it from
-    the main thread, which lives as long as pytest.
-    """
-    def preexec() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # pytest died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 def spawn(args: list[str], log_dir: Path, env: dict[str, str] | None = None
@@ -48,24 +35,34 @@ def spawn(args: list[str], log_dir: Path, env: dict[str, str] | None = None
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / "stdout.log", "wb")
     err = open(log_dir / "stderr.log", "wb")
+    # PR_SET_PDEATHSIG follows the forking thread: only the main thread lives as long as pytest.
     main = threading.current_thread() is threading.main_thread()
     proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err,
                             env=os.environ.copy() if env is None else env,
-                            preexec_fn=_die_with_pytest(os.getpid()) if main else None)
+                            preexec_fn=die_with_parent(signal.SIGKILL) if main else None)
     return proc, [out, err]
 
 
 @dataclass
-class ServiceProc:
+class ServiceProc(ReadyLineChild):
     """One server subprocess; subclasses set ``NAME``, ``READY`` and ``_on_ready``."""
 
     NAME: ClassVar[str] = "process"
     READY: ClassVar[re.Pattern[str]]
+    log_offset: ClassVar[int] = 0    # stdout.log holds this start's output alone
 
     proc: subprocess.Popen
     log_dir: Path
     address: str = ""
     _files: list = field(default_factory=list)
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / "stdout.log"
+
+    @property
+    def ready_pattern(self) -> re.Pattern[str]:
+        return self.READY
 
     @property
     def stderr(self) -> str:
@@ -75,12 +72,9 @@ class ServiceProc:
         raise NotImplementedError
 
     def wait_ready(self, timeout: float, interval: float = 0.02):
-        out = self.log_dir / "stdout.log"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = self.READY.search(out.read_text(errors="replace"))
-            if m:
-                self._on_ready(m)
+            if self.ready_match():
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.NAME} exited with {self.proc.returncode}:\n{self.stderr}")

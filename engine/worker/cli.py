@@ -41,7 +41,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from engine.worker.config import WorkerConfig, resolve_model_dir
+from engine.api.paths import resolve_model_dir
+from engine.worker.config import WorkerConfig
 from kvstore.net.address import advertised_host, join_host_port
 from kvstore import tls as tls_settings
 from kvstore.secret import add_secret_flags, is_loopback, resolve

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Literal
 
 from engine.api.generate import WORKER_ROLES, WorkerRole
 from engine.core.config import EngineConfig
-from engine.api.paths import default_model_dir
 from kvstore.client.transport import TRANSPORTS, Transport
 from kvstore.secret import check_bind
 
-__all__ = ["WorkerConfig", "resolve_model_dir"]
-
-
-def resolve_model_dir(model: str) -> Path:
-    """``"default"`` -> the converted SmolLM2 checkpoint; anything else is a directory."""
-    path = default_model_dir() if model == "default" else Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        hint = (" (run scripts/setup.sh, or `python -m engine.model.convert --default`, to convert it)"
-                if model == "default" else "")
-        raise FileNotFoundError(f"no checkpoint at {path}: config.json is missing{hint}")
-    return path
+__all__ = ["WorkerConfig"]
 
 
 @dataclass(frozen=True)

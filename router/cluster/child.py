@@ -2,19 +2,19 @@
 
 - Every child runs in its own session (process group): stopping it signals the whole group
   (SIGTERM, then SIGKILL after a timeout), so nothing a child started survives.
-- Every child gets ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher dies (even of SIGKILL)
-  its direct children are told to stop; no orphans.
-- Readiness is the child's own: ``ready_pattern`` is a regular expression for the line the
-  child prints once it serves (``kvengine ready address=...``, ``kvstore ready address=...``),
-  searched only in what *this* start of the child wrote to its log (the log is appended to
-  across restarts). A port that merely answers proves nothing: another process may hold it.
+- Every child gets ``PR_SET_PDEATHSIG = SIGTERM`` (``kvstore.proc.die_with_parent``): if the
+  launcher dies (even of SIGKILL) its direct children are told to stop; no orphans.
+- Readiness is the child's own (``kvstore.proc.ReadyLineChild``): ``ready_pattern`` is a
+  regular expression for the line the child prints once it serves (``kvengine ready
+  address=...``, ``kvstore ready address=...``), searched only in what *this* start of the
+  child wrote to its log (the log is appended to across restarts). A port that merely answers
+  proves nothing: another process may hold it.
 - ``deliberate`` marks a stop the cluster asked for (:meth:`LocalCluster.stop_child`); a
   supervisor does not restart such a child.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -24,16 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ChildProcess", "free_port", "port_taken", "parse_cpus"]
+from kvstore.proc import ReadyLineChild, die_with_parent
 
-_PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["ChildProcess", "port_taken", "parse_cpus"]
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -62,23 +55,18 @@ def parse_cpus(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    set_pdeathsig = die_with_parent(signal.SIGTERM)
+
     def setup() -> None:  # between fork and exec
-        _set_pdeathsig()
+        set_pdeathsig()
         if cpus:
             os.sched_setaffinity(0, cpus)
     return setup
 
 
 @dataclass
-class ChildProcess:
+class ChildProcess(ReadyLineChild):
     """One child in its own process group, its output appended to ``log_path``.
 
     ``kind`` is what it is (``etcd``, ``store``, ``prefill``, ``decode``, ``colocated``,
@@ -92,13 +80,13 @@ class ChildProcess:
     cpus: frozenset[int] | None = None   # pinned to these CPUs (None: not pinned)
     kind: str = ""
     address: str = ""
-    ready_pattern: str | None = None     # the child's ready line (None: no line to wait for)
+    ready_pattern: str | re.Pattern[str] | None = None   # the child's ready line (None: none to wait for)
     unset_env: tuple[str, ...] = ()      # variables of the launcher's environment not handed on
     proc: subprocess.Popen | None = None
     member_id: str | None = None
     starts: int = 0
     deliberate: bool = False             # stopped on purpose: not to be restarted
-    _log_offset: int = 0
+    log_offset: int = field(default=0, init=False)   # where this start's output begins in the log
     _terminated_pid: int | None = None   # the process SIGTERM was sent to (once per process)
 
     def start(self) -> None:
@@ -107,46 +95,16 @@ class ChildProcess:
         self.deliberate = False
         self.member_id = None
         with open(self.log_path, "ab") as log:
-            self._log_offset = log.tell()
+            self.log_offset = log.tell()
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True, preexec_fn=_child_setup(self.cpus))
         self.starts += 1
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def ready_match(self) -> re.Match[str] | None:
-        """The ready line this start of the child printed, if it has (named group ``id``
-        becomes ``member_id``); None until then. A child with no pattern is never "ready"
-        by its log."""
-        if self.ready_pattern is None:
-            return None
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(self._log_offset)
-                text = log.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        match = re.search(self.ready_pattern, text, re.MULTILINE)
-        if match is not None and "id" in match.groupdict():
+    def _on_ready(self, match: re.Match[str]) -> None:
+        """The ready line's named group ``id`` becomes ``member_id``."""
+        if "id" in match.groupdict():
             self.member_id = match.group("id")
-        return match
-
-    def log_tail(self, n_bytes: int = 2000) -> str:
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[max(self._log_offset, len(data) - n_bytes):].decode("utf-8", "replace")
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:

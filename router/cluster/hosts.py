@@ -23,8 +23,9 @@ sleep infinity`` inside the netns, after it mounted the tmpfs and set the hostna
 Teardown (``Hosts.close``, also at interpreter exit) kills every process of every host (the
 groups it started, then whatever is left in the netns), deletes the veths, the namespaces
 and the bridge, even after an exception. Processes started from the main thread get SIGKILL
-when their parent dies (``PR_SET_PDEATHSIG``); the namespaces and bridge of a harness whose
-process was killed are swept by the next ``Hosts`` to start (their names carry the pid).
+when their parent dies (``kvstore.proc.die_with_parent``); the namespaces and bridge of a
+harness whose process was killed are swept by the next ``Hosts`` to start (their names carry
+the pid).
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), ``ip`` (iproute2), ``unshare`` and ``nsenter``
 (util-linux). Failing to make the namespaces raises ``HostsError``.
@@ -33,7 +34,6 @@ Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), ``ip`` (iproute2), ``unshare`` and ``
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import re
 import shutil
@@ -41,16 +41,17 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvstore.proc import die_with_parent
 
 __all__ = ["Hosts", "Host", "HostsError", "sweep_stale"]
 
 _NETNS_RE = re.compile(r"^kvh-(\d+)-(\d+)-(\d+)$")
 _BRIDGE_RE = re.compile(r"^kvb-(\d+)$")
-_PR_SET_PDEATHSIG = 1
 _ETC_NETNS = Path("/etc/netns")
 _live: set["Hosts"] = set()
 
@@ -80,9 +81,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """A preexec_fn: SIGKILL when the thread that started the child dies (Linux)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn: SIGKILL when the parent dies; from the main thread only (the kernel ties
+    it to the forking thread, and another may end before the process)."""
+    return die_with_parent(signal.SIGKILL) if threading.current_thread() is threading.main_thread() else None
 
 
 def _netns_names() -> list[str]:
@@ -155,11 +157,10 @@ class Host:
         group of its own; ``cwd`` (default: this process's) is kept. Other keywords go to
         ``subprocess.Popen``. Teardown kills it."""
         cwd = os.fspath(kw.pop("cwd", None) or os.getcwd())
-        main = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(
             self.command(argv, cwd),
             env=dict(os.environ if env is None else env), cwd=cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if main else None, **kw)
+            preexec_fn=_die_with_parent(), **kw)
         self._procs.append(proc)
         return proc
 
@@ -181,8 +182,7 @@ class Host:
             ["ip", "netns", "exec", self.name, "unshare", "--mount", "--uts", "--propagation",
              "private", "sh", "-c", script, "sh", shm_size, self.name],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
-            else None)
+            preexec_fn=_die_with_parent())
         assert init.stdout is not None and init.stderr is not None
         if init.stdout.readline() != b"ready\n":  # the line, or EOF when a step failed
             init.wait()

@@ -52,20 +52,20 @@ from pathlib import Path
 
 import httpx
 
+from engine.api.paths import resolve_model_dir
 from kvstore import secret as cluster_secret
 from kvstore.errors import KVStoreError
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 from kvstore.daemon.config import parse_size
+from kvstore.proc import free_port
 from kvstore.tls import TLSConfig
-from router.cluster.child import ChildProcess, free_port, parse_cpus, port_taken
+from router.cluster.child import ChildProcess, parse_cpus, port_taken
 from router.cluster.vllm_worker import VllmWorker
 
-__all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "free_port",
-           "resolve_model_dir", "parse_cpus", "DEFAULT_MODEL_NAME", "SECRET_FILE_NAME",
+__all__ = ["ClusterSpec", "LocalCluster", "ChildProcess", "LaunchError", "parse_cpus", "SECRET_FILE_NAME",
            "STATE_FILE_NAME"]
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SECRET_FILE_NAME = "cluster-secret"     # in the log directory, 0600
 STATE_FILE_NAME = "cluster.json"        # in the log directory: what runs now
 _WORKER_KINDS = frozenset({"prefill", "decode", "colocated"})
@@ -73,30 +73,6 @@ _WORKER_KINDS = frozenset({"prefill", "decode", "colocated"})
 
 class LaunchError(RuntimeError):
     """A part of the local cluster did not come up; the message says which and why."""
-
-
-def resolve_model_dir(model: str) -> Path:
-    """``"default"`` -> the converted default checkpoint in the cache; otherwise the directory.
-
-    Raises ``LaunchError`` with the command that fixes it when the directory is not a
-    checkpoint (no ``config.json``).
-    """
-    if model == "default":
-        try:
-            from engine.api.paths import default_model_dir  # torch-free path helper
-            path = Path(default_model_dir())
-        except ImportError:
-            cache = Path(os.environ.get("KVCACHE_STORE_CACHE", "~/.cache/kvcache-store")).expanduser()
-            path = cache / "models" / DEFAULT_MODEL_NAME
-        if not (path / "config.json").is_file():
-            raise LaunchError(
-                f"the default model is not converted yet ({path} has no config.json); "
-                "run `bash scripts/setup.sh` or `python -m engine.model.convert --default` first")
-        return path
-    path = Path(model).expanduser().resolve()
-    if not (path / "config.json").is_file():
-        raise LaunchError(f"--model {model!r} is not a checkpoint directory (no config.json)")
-    return path
 
 
 @dataclass(frozen=True)
@@ -199,7 +175,10 @@ class LocalCluster:
         if spec.port and self._router_port_taken(spec.port):
             raise LaunchError(f"the router's port {spec.port} on {self.router_host} is already in use (another "
                               "process listens there: an earlier cluster?); stop it or choose another --port")
-        self.model_dir = resolve_model_dir(spec.model)
+        try:
+            self.model_dir = resolve_model_dir(spec.model)
+        except FileNotFoundError as exc:
+            raise LaunchError(str(exc)) from None
         self._tmp = tempfile.mkdtemp(prefix="kvrouter-up-")
         self.log_dir = Path(spec.log_dir) if spec.log_dir else Path(self._tmp) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -266,10 +245,6 @@ class LocalCluster:
             data = Path(self._tmp) / "etcd-data"
             shutil.rmtree(data if logs_inside else self._tmp, ignore_errors=True)
             self._tmp = None
-
-    def failed_children(self) -> list[ChildProcess]:
-        """Children that have exited."""
-        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
 
     # -- one child at a time (the supervisor's and an autoscaler's API) ----------------
     def stop_child(self, name: str, timeout: float | None = None) -> int | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import sweep
+from kvstore.proc import free_port
 from tests.benchmarks.fake_openai import FakeOpenAI
-from tests.benchmarks.test_sweep import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)

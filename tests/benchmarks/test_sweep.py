@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
 
 from benchmarks import sweep
+from kvstore.proc import free_port
 from tests.benchmarks.fake_openai import FakeOpenAI
 
 
@@ -41,12 +41,6 @@ def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_pa
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "exited with 3" in rec["failed"]["broken"]
     assert list(rec["configs"]) == ["ok"] and rec["configs"]["ok"]["curve"][0]["failed"] == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sweep_runs_each_configuration_over_the_rates(tmp_path, capsys):

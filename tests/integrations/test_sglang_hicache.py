@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -32,8 +33,9 @@ import pytest
 from kvstore import Client
 from kvstore.client.cluster import ClusterClient
 from kvstore.net import protocol as P
+from kvstore.proc import die_with_parent
 from tests.kvstore.conftest import DaemonFactory, DaemonProc
-from tests.procs import REPO, _die_with_pytest
+from tests.procs import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +65,7 @@ class Driver:
             self.proc = subprocess.Popen(
                 [str(SGLANG_PY), str(DRIVER)], cwd=REPO, env=env, text=True, stderr=err,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                preexec_fn=_die_with_pytest(os.getpid()))
+                preexec_fn=die_with_parent(signal.SIGKILL))
         self.ready = self._read(timeout=90)  # SGLang's import: a few seconds here
         self.seconds = 0.0  # how long the last call took inside the driver
 

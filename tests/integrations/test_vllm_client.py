@@ -15,7 +15,6 @@ event source.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ import pytest
 
 from engine.api.generate import GenerateChunk, GenerateFinal, GenerateRequest, SamplingParams, WorkerInfo
 from kvstore.keys import BlockKey, block_keys
+from kvstore.proc import free_port
 from router.workers.client import WorkerRejected, WorkerUnavailable
 from router.workers.kv_index import KvIndex
 from router.workers.vllm_client import (
@@ -189,9 +189,7 @@ def test_penalties_continue_exactly_over_tokens_produced_elsewhere(vllm_pd: Vllm
 def test_refusals_and_failures(vllm_pd: VllmPD) -> None:
     pd, server = vllm_pd, vllm_pd.producer
     prompt = _prompt(pd, 40, 3000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]   # nothing listens once closed
+    dead_port = free_port()   # nothing listens there
     dead = WorkerInfo("dead", f"http://127.0.0.1:{dead_port}", "prefill", pd.model, NS,
                       pd.block_size, 1, pd.max_model_len)
 

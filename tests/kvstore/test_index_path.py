@@ -6,7 +6,6 @@ another process that never makes a get return foreign or torn bytes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 from kvstore import Client, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net.buffers import Sink
+from kvstore.proc import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -120,9 +120,7 @@ def test_without_an_index_gets_take_the_pin_path(start_daemon):
 
 
 def test_a_restarted_daemon_is_never_read_through_the_old_index(start_daemon):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     key, size = rand_keys(1)[0], 8192
     old = start_daemon("--port", str(port))
     c = Client(old.address)

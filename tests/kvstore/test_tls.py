@@ -22,6 +22,7 @@ import pytest
 from kvstore.certs import make_certs
 from kvstore.client.node import Client
 from kvstore.errors import AuthError, EtcdError, StoreUnavailable
+from kvstore.proc import free_port
 from kvstore.tls import TLSConfig, TLSError, resolve
 
 SECRET = "tls-test-secret"
@@ -129,17 +130,11 @@ def test_settings_errors_are_one_clear_line(tmp_path: Path, certs) -> None:
     assert "is not the key of the certificate" in out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_etcd_over_tls_with_client_certificates(tmp_path: Path, certs, foreign) -> None:
     from kvstore.coord.etcd import EtcdClient
 
     node = certs["daemon"]
-    client_url, peer_url = f"https://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    client_url, peer_url = f"https://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         ["etcd", "--name", "t", "--data-dir", str(tmp_path / "etcd"),
          "--listen-client-urls", client_url, "--advertise-client-urls", client_url,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,18 +16,13 @@ import pytest
 import uvicorn
 
 from engine.api.generate import RequestStats
+from kvstore.proc import free_port
 from router.http.app import create_app
 from router.config import RouterConfig
 from router.workers.pool import StaticMembership, WorkerPool
 from tests.router.fake_worker import FakeWorker
 
 ANSWER = " Paris is the capital of France."
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -44,7 +38,7 @@ async def _router(tokenizer_dir: Path, workers: list[FakeWorker], *, pool: Worke
     config = RouterConfig(model_dir=str(tokenizer_dir), **{"mode": "colocated", **cfg})
     pool = pool or WorkerPool(StaticMembership([w.info for w in workers]))
     app = create_app(config, pool=pool, store=store, request_log=request_log)
-    port = _port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
     task = asyncio.create_task(server.serve())

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvstore.proc import free_port
 from router.request_log import RequestLog
 from router.workers.store import StoreView
 from tests.router.fake_worker import FakeWorker
@@ -250,14 +251,6 @@ def test_serve_exits_non_zero_when_the_app_does_not_start(tokenizer_dir: Path, m
         return server_main.RouterParts(FastAPI(lifespan=failing), RequestLog(None))
 
     monkeypatch.setattr(server_main, "build_app", build_app)
-    config = RouterConfig(model_dir=str(tokenizer_dir), port=_free_port())
+    config = RouterConfig(model_dir=str(tokenizer_dir), port=free_port())
     assert server_main.run_router(config, log_level="critical") == 2
     assert "cannot start" in capsys.readouterr().err
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from router.cluster.child import ChildProcess
-from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster, resolve_model_dir
+from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
 from router.cluster.supervisor import Supervisor
 from tests.router.cluster_probe import Metrics, wait_until
 
@@ -178,7 +178,7 @@ def test_kvrouter_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Pa
 
 def test_up_refuses_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="not a checkpoint"):
-        resolve_model_dir(str(tmp_path))
+        LocalCluster(ClusterSpec(model=str(tmp_path), port=0)).start()
     with pytest.raises(ValueError, match="decode worker"):
         ClusterSpec(decode=0)
     with pytest.raises(ValueError, match="colocated mode needs at least one worker"):
