@@ -35,9 +35,9 @@ class Session(Protocol):
     store: BlockStore
     same_host: bool  # HELLO's host id is the daemon's
 
-    def _reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None: ...
+    def reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None: ...
 
-    def _count(self, direction: Literal["in", "out"], path: Literal["cuda_ipc"], nbytes: int) -> None: ...
+    def count_bytes(self, direction: Literal["in", "out"], path: Literal["cuda_ipc"], nbytes: int) -> None: ...
 
 
 def hello_fields(s: Session) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def _share(s: Session) -> GpuShare:
 
 
 def _handle(s: Session, h: P.Header, meta: memoryview) -> None:
-    s._reply(h, P.pack_json(_share(s).handle()))
+    s.reply(h, P.pack_json(_share(s).handle()))
 
 
 def _pin(s: Session, h: P.Header, meta: memoryview) -> None:
@@ -71,8 +71,8 @@ def _pin(s: Session, h: P.Header, meta: memoryview) -> None:
         if loc is not None:
             out[i], out[n + i] = loc
             nbytes += loc[1]
-    s._count("out", "cuda_ipc", nbytes)
-    s._reply(h, out.tobytes())
+    s.count_bytes("out", "cuda_ipc", nbytes)
+    s.reply(h, out.tobytes())
 
 
 def _unpin(s: Session, h: P.Header, meta: memoryview) -> None:
@@ -81,13 +81,13 @@ def _unpin(s: Session, h: P.Header, meta: memoryview) -> None:
         _share(s).unpin(keys, s)
     except GpuPinError as e:
         raise ProtocolError(str(e)) from None
-    s._reply(h)
+    s.reply(h)
 
 
 def _reserve(s: Session, h: P.Header, meta: memoryview) -> None:
     keys, sizes = P.unpack_keys_sizes(meta)
     offsets = _share(s).reserve(list(zip(keys, sizes)), s)
-    s._reply(h, np.fromiter((P.MISSING if o is None else o for o in offsets), dtype="<u8",
+    s.reply(h, np.fromiter((P.MISSING if o is None else o for o in offsets), dtype="<u8",
                             count=len(offsets)).tobytes())
 
 
@@ -97,8 +97,8 @@ def _commit(s: Session, h: P.Header, meta: memoryview) -> None:
         nbytes = _share(s).commit(keys, s)
     except GpuPinError as e:
         raise ProtocolError(str(e)) from None
-    s._count("in", "cuda_ipc", nbytes)
-    s._reply(h)
+    s.count_bytes("in", "cuda_ipc", nbytes)
+    s.reply(h)
 
 
 def _abort(s: Session, h: P.Header, meta: memoryview) -> None:
@@ -107,7 +107,7 @@ def _abort(s: Session, h: P.Header, meta: memoryview) -> None:
         _share(s).abort(keys, s)
     except GpuPinError as e:
         raise ProtocolError(str(e)) from None
-    s._reply(h)
+    s.reply(h)
 
 
 HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {

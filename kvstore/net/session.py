@@ -239,7 +239,8 @@ class Session:
 
     # --- replies ------------------------------------------------------------------------
 
-    def _reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None:
+    def reply(self, h: P.Header, meta: bytes = b"", data: list | None = None) -> None:
+        """Answer request ``h`` (its op and id, the RESPONSE flag) with ``meta`` and ``data``."""
         data_len = sum(v.nbytes for v in data) if data else 0
         head = P.pack_header(h.op, P.FLAG_RESPONSE, h.request_id, len(meta), data_len)
         if data:
@@ -277,7 +278,8 @@ class Session:
         except Exception:
             log.exception("releasing the reservations and pins of %s failed", self.peer)
 
-    def _count(self, direction: Direction, path: DataPath, nbytes: int) -> None:
+    def count_bytes(self, direction: Direction, path: DataPath, nbytes: int) -> None:
+        """Count block bytes moved on ``path`` (the daemon's transfer metrics)."""
         if self.server.metrics is not None and nbytes:
             self.server.metrics.transferred(direction, path, nbytes)
 
@@ -306,7 +308,7 @@ class Session:
         self.authed, self.same_host = True, req.get("host_id") == self.server.host_id
         arena = self.store.arena
         index = self.store.index  # the shared-memory index, if published (shared_index.py)
-        self._reply(h, P.pack_json({
+        self.reply(h, P.pack_json({
             "node_id": self.server.node_id, "host_id": self.server.host_id,
             "arena": {"name": arena.name, "size": arena.size},
             "max_batch": P.MAX_BATCH, "max_data": min(P.MAX_DATA, self.server.max_reserve),
@@ -338,8 +340,8 @@ class Session:
             else:
                 self.reader.read_into(buf[r.offset: r.offset + s])
         self.store.commit([k for k, r in zip(keys, res) if r is not None])
-        self._count("in", "tcp", total)
-        self._reply(h, bytes(1 if r is not None else 0 for r in res))
+        self.count_bytes("in", "tcp", total)
+        self.reply(h, bytes(1 if r is not None else 0 for r in res))
 
     def _get(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
@@ -356,7 +358,7 @@ class Session:
                                     dtype="<u8", count=len(locs)).tobytes()
             data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
             if self.ucx is not None and h.flags & P.FLAG_UCX:
-                self._reply(h, sizes)
+                self.reply(h, sizes)
                 try:
                     self.ucx.send_blocks(h.request_id, data, [i for i, loc in enumerate(locs) if loc is not None],
                                          time.monotonic() + self.server.limits.frame_timeout)
@@ -365,10 +367,10 @@ class Session:
                     if not self._close_ucx():
                         pinned = []
                     raise Close() from None
-                self._count("out", "ucx", sum(v.nbytes for v in data))
+                self.count_bytes("out", "ucx", sum(v.nbytes for v in data))
             else:
-                self._reply(h, sizes, data)
-                self._count("out", "tcp", sum(v.nbytes for v in data))
+                self.reply(h, sizes, data)
+                self.count_bytes("out", "tcp", sum(v.nbytes for v in data))
         finally:
             if pinned:
                 self.store.unpin(pinned)
@@ -384,17 +386,17 @@ class Session:
         return False
 
     def _contains(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
+        self.reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
 
     def _prefix_len(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, P._U32.pack(self.store.prefix_len(P.unpack_keys(meta))))
+        self.reply(h, P._U32.pack(self.store.prefix_len(P.unpack_keys(meta))))
 
     def _delete(self, h: P.Header, meta: memoryview) -> None:
-        self._reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
+        self.reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
 
     def _stats(self, h: P.Header, meta: memoryview) -> None:
         stats = dataclasses.asdict(self.store.stats())
-        self._reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
+        self.reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
 
     def _reserve(self, h: P.Header, meta: memoryview) -> None:
         keys, sizes = P.unpack_keys_sizes(meta)
@@ -411,7 +413,7 @@ class Session:
                           [buf[off: off + s] for _, off, s in mine], [i for i, _, _ in mine])
         offsets = np.fromiter((r.offset if r is not None else P.MISSING for r in res),
                               dtype="<u8", count=len(res))
-        self._reply(h, offsets.tobytes())
+        self.reply(h, offsets.tobytes())
 
     def _owned_reservations(self, keys: list[BlockKey], verb: str) -> int:
         missing = [k for k in keys if k not in self.reserved]
@@ -433,8 +435,8 @@ class Session:
                 self.fail(h.op, h.request_id, ProtocolError(f"COMMIT of values that did not arrive: {e}"))
         nbytes = self._owned_reservations(keys, "COMMIT")
         self.store.commit(keys)
-        self._count("in", path, nbytes)
-        self._reply(h)
+        self.count_bytes("in", path, nbytes)
+        self.reply(h)
 
     def _abort(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
@@ -443,7 +445,7 @@ class Session:
                                 "connection instead (kvstore.net.ucx)")
         self._owned_reservations(keys, "ABORT")
         self.store.abort(keys)
-        self._reply(h)
+        self.reply(h)
 
     def _pin(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
@@ -456,8 +458,8 @@ class Session:
                 self.pins[k] += 1
                 out[i], out[n + i] = loc.offset, loc.size
                 nbytes += loc.size
-        self._count("out", "shm", nbytes)
-        self._reply(h, out.tobytes())
+        self.count_bytes("out", "shm", nbytes)
+        self.reply(h, out.tobytes())
 
     def _unpin(self, h: P.Header, meta: memoryview) -> None:
         keys = P.unpack_keys(meta)
@@ -470,7 +472,7 @@ class Session:
         self.pins = +self.pins
         self.store.unpin(keys, owner=self)
         if not h.flags & P.FLAG_NO_REPLY:
-            self._reply(h)
+            self.reply(h)
 
     def _ucx(self, h: P.Header, meta: memoryview) -> None:
         worker = self.server.ucx
@@ -481,13 +483,13 @@ class Session:
         from kvstore.net.ucx_channel import UcxChannel
 
         self.ucx = UcxChannel(worker, P.unpack_json(meta), self.fd)
-        self._reply(h, P.pack_json(self.ucx.hello()))
+        self.reply(h, P.pack_json(self.ucx.hello()))
 
     def _touch(self, h: P.Header, meta: memoryview) -> None:
         keys, counts, sizes = P.unpack_touch(meta)
-        self._count("out", "shm", self.store.touch(keys, counts, sizes))
+        self.count_bytes("out", "shm", self.store.touch(keys, counts, sizes))
         if not h.flags & P.FLAG_NO_REPLY:
-            self._reply(h)
+            self.reply(h)
 
 
 _HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
