@@ -52,7 +52,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvstore import tls as tls_settings
-from kvstore.net.host_id import local_host_id
 from kvstore.client.node import Client
 from kvstore.client.read_repair import ReadRepair, RepairItem
 from kvstore.client.transport import Transport, pick
