@@ -22,6 +22,7 @@ from typing import Any
 import matplotlib
 
 from benchmarks.sweep import SLO_SCALES
+from planner.metrics import summary_stat
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -63,11 +64,6 @@ def _paired(out: Path, config: str, rate: float) -> dict[str, Any] | None:
     return {"pairs": len(ratios), "median": ratios[len(ratios) // 2], "max": ratios[-1]}
 
 
-def _stat(summary: dict[str, Any] | None, metric: str, q: str) -> float | None:
-    d = (summary or {}).get(metric)
-    return None if d is None else d[q]
-
-
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
@@ -95,12 +91,12 @@ def collect(out: Path) -> dict[str, Any]:
         if mixed and quiet:
             m, q = mixed[0], quiet[0]
             ms, qs = m["by_tag"].get("short", m["summary"]), q["by_tag"].get("short", q["summary"])
-            f["mixed"] = {"rate": m["rate"], "short_tpot_p99_mixed_s": _stat(ms, "tpot_s", "p99"),
-                          "short_tpot_p99_quiet_s": _stat(qs, "tpot_s", "p99"),
-                          "short_itl_p99_mixed_s": _stat(ms, "itl_s", "p99"),
-                          "short_itl_p99_quiet_s": _stat(qs, "itl_s", "p99"),
-                          "short_ttft_p50_mixed_s": _stat(ms, "ttft_s", "p50"),
-                          "long_ttft_p50_s": _stat(m["by_tag"].get("long"), "ttft_s", "p50"),
+            f["mixed"] = {"rate": m["rate"], "short_tpot_p99_mixed_s": summary_stat(ms, "tpot_s", "p99"),
+                          "short_tpot_p99_quiet_s": summary_stat(qs, "tpot_s", "p99"),
+                          "short_itl_p99_mixed_s": summary_stat(ms, "itl_s", "p99"),
+                          "short_itl_p99_quiet_s": summary_stat(qs, "itl_s", "p99"),
+                          "short_ttft_p50_mixed_s": summary_stat(ms, "ttft_s", "p50"),
+                          "long_ttft_p50_s": summary_stat(m["by_tag"].get("long"), "ttft_s", "p50"),
                           "short_requests": (ms.get("issued"), qs.get("issued")),
                           "long_requests": (m["by_tag"].get("long") or {}).get("issued", 0),
                           "attainment_mixed": m["summary"]["attainment"]}
@@ -117,10 +113,10 @@ def collect(out: Path) -> dict[str, Any]:
                        "router_log": _router_log(out, name, sweep),
                        "curve": [{"rate": p["rate"], "issued": p["summary"]["issued"],
                                   "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
-                                  "ttft_p50_s": _stat(p["summary"], "ttft_s", "p50"),
-                                  "ttft_p99_s": _stat(p["summary"], "ttft_s", "p99"),
-                                  "tpot_p50_s": _stat(p["summary"], "tpot_s", "p50"),
-                                  "tpot_p99_s": _stat(p["summary"], "tpot_s", "p99"),
+                                  "ttft_p50_s": summary_stat(p["summary"], "ttft_s", "p50"),
+                                  "ttft_p99_s": summary_stat(p["summary"], "ttft_s", "p99"),
+                                  "tpot_p50_s": summary_stat(p["summary"], "tpot_s", "p50"),
+                                  "tpot_p99_s": summary_stat(p["summary"], "tpot_s", "p99"),
                                   "attainment_at_1x_2x_3x": a and [a[SLO_SCALES.index(k)] for k in SCALES],
                                   "attainment_at_slo_scales": a,
                                   "prewarm": p.get("prewarm", {}).get("sent")} for p, a in zip(pts, at)]}

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.proc import read_line
+
 REPO = Path(__file__).resolve().parents[1]
 STORE_PORT, ETCD_PORT = 7700, 2379
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 30, 3, 64, 16
@@ -120,23 +122,15 @@ def role(argv: list[str]) -> None:
 
 # --- the driver ---------------------------------------------------------------------------
 
-def _readline(proc: subprocess.Popen[str], what: str, timeout: float = 120.0) -> dict[str, Any]:
-    import select
-
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
-        raise RuntimeError(f"{what} gave no line in {timeout:.0f} s (exit {proc.poll()}): {err[-2000:]}")
-    return json.loads(line)
+def _read_json(proc: subprocess.Popen[str], what: str, timeout: float = 120.0) -> dict[str, Any]:
+    return json.loads(read_line(proc, what, timeout))
 
 
 def _ask(proc: subprocess.Popen[str], cmd: dict[str, Any], what: str) -> dict[str, Any]:
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(cmd) + "\n")
     proc.stdin.flush()
-    return _readline(proc, what)
+    return _read_json(proc, what)
 
 
 def _summary(rows: list[dict[str, Any]], block_bytes: int, nblocks: int) -> dict[str, Any]:
@@ -192,7 +186,7 @@ def run(n_hosts: int, tokens: int, iters: int, memory: str) -> dict[str, Any]:
                                       str(nblocks), str(n_hosts)],
                                      env=env, cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        hello = {name: _readline(p, f"the {name} side") for name, p in sides.items()}
+        hello = {name: _read_json(p, f"the {name} side") for name, p in sides.items()}
         rows: dict[str, list[dict[str, Any]]] = {"local": [], "owners": []}
         placed = 0
         for rnd in range(iters + 1):                     # round 0 warms both sides up

@@ -44,7 +44,7 @@ from typing import Any
 from benchmarks import compare
 from benchmarks.sweep import build_parser as sweep_parser
 from engine.profile.format import load
-from planner.metrics import Slo, max_rate_meeting
+from planner.metrics import Slo, max_rate_meeting, summary_stat
 from planner.sim.config import from_up_flags
 from planner.sim.run import Profiles
 from planner.sim.sweep import SweepSettings, simulate_config
@@ -86,11 +86,6 @@ def _strip_objectives(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
-
-
-def _stat(p: dict[str, Any], metric: str, q: str) -> float | None:
-    d = p["summary"].get(metric)
-    return None if not d else d[q]
 
 
 def judge(sim: float | None, measured: list[float]) -> dict[str, Any]:
@@ -168,9 +163,9 @@ def fidelity(runs: list[Path], profiles: list[Profiles], labels: list[str]) -> d
                     reps = [next((p for p in pts if p["rate"] == rate), None) for pts in measured]
                     reps = [p for p in reps if p is not None]
                     for metric, q in METRICS:
-                        vals = [v for v in (_stat(p, metric, q) for p in reps) if v is not None]
+                        vals = [v for v in (summary_stat(p["summary"], metric, q) for p in reps) if v is not None]
                         rows.append({"config": name, "part": key, "rate": rate, "metric": f"{metric[:4]}_{q}",
-                                     "repeats": len(vals), **judge(_stat(p_sim, metric, q), vals)})
+                                     "repeats": len(vals), **judge(summary_stat(p_sim["summary"], metric, q), vals)})
                 sim_rate = rec["max_rate_90"]["tested"]
                 meas_rates = [max_rate_meeting(pts)["tested"] for pts in measured]
                 meas_interp = [max_rate_meeting(pts)["interpolated"] for pts in measured]

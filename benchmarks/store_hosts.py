@@ -46,7 +46,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import socket
 import statistics
 import subprocess
@@ -325,15 +324,12 @@ def _handoff(client: Any, raw: _Raw, rng: np.random.Generator, iters: int) -> di
 
 
 def _readline(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
-        raise SystemExit(f"store_bench --hosts: {what} did not start within {timeout:.0f} s: "
-                         f"{err.strip()[-2000:]}")
-    return line.strip()
+    from kvstore.proc import read_line
+
+    try:
+        return read_line(proc, what, timeout)
+    except RuntimeError as e:
+        raise SystemExit(f"store_bench --hosts: {e}") from None
 
 
 def _tls(tmp: Path, store_address: str) -> tuple[list[str], dict[str, str], dict[str, str]]:

@@ -53,7 +53,7 @@ from benchmarks.serve_bench import (
     add_bench_args, client_config, fetch_model, fixed_slo, machine_info, measure_unloaded, pin_client, run_point,
     write_requests,
 )
-from planner.metrics import Slo, Unloaded, attainment_at_scales, max_rate_meeting
+from planner.metrics import Slo, Unloaded, attainment_at_scales, max_rate_meeting, summary_stat
 from planner.workload_args import build_workload, spec_from_args
 from planner.workloads import TokenSpace
 
@@ -246,24 +246,20 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
              f"({args.slo_ref}); {machine_info()['platform']}, {machine_info()['cpu_count']} CPUs")
     if results:
         _plot(results, out, title, scale_at)
+    def point(s: dict[str, Any]) -> dict[str, Any]:   # one point's summary, briefly
+        return {"ttft_p50": summary_stat(s, "ttft_s", "p50"), "ttft_p99": summary_stat(s, "ttft_s", "p99"),
+                "tpot_p50": summary_stat(s, "tpot_s", "p50"), "tpot_p99": summary_stat(s, "tpot_s", "p99"),
+                "goodput": s["goodput"], "attainment": s["attainment"], "issued": s["issued"],
+                "failed": s["failed"], "cached_fraction": s["cached_fraction"],
+                "send_lag_p99": summary_stat(s, "send_lag_s", "p99")}
+
     brief = {name: {**{k: v for k, v in r.items() if k != "points"},
-                    "curve": [{"rate": p["rate"], "ttft_p50": _stat(p, "ttft_s", "p50"), "ttft_p99": _stat(p, "ttft_s", "p99"),
-                               "tpot_p50": _stat(p, "tpot_s", "p50"), "tpot_p99": _stat(p, "tpot_s", "p99"),
-                               "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
-                               "issued": p["summary"]["issued"], "failed": p["summary"]["failed"],
-                               "cached_fraction": p["summary"]["cached_fraction"],
-                               "send_lag_p99": _stat(p, "send_lag_s", "p99")}
-                              for p in r["points"]]}
+                    "curve": [{"rate": p["rate"], **point(p["summary"])} for p in r["points"]]}
              for name, r in results.items()}
     return {"bench": "sweep", "workload": args.workload, "rates": rates, "quick": args.quick,
             "point_seconds": args.point_seconds, "slo_scales": SLO_SCALES, "scale_at_rate": rates[min(scale_at, len(rates) - 1)],
             "scaling": build_workload(args, rates[0], args.seed * 1000).scaling, "machine": machine_info(),
             "configs": brief, "failed": failed, "out": str(out)}
-
-
-def _stat(p: dict[str, Any], metric: str, stat: str) -> float | None:
-    d = p["summary"][metric]
-    return None if d is None else d[stat]
 
 
 def build_parser() -> argparse.ArgumentParser:

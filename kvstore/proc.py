@@ -14,6 +14,8 @@ servers as children:
   the line searched only in what *this* start of the child wrote to its log (a log appended to
   across restarts holds earlier starts' lines), the fields of the line, the log's tail. A port
   that merely answers proves nothing: another process may hold it.
+- :func:`read_line`: the next line a child writes to its stdout pipe, within a deadline (its
+  ready line, or its answer to a request on its stdin).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import ctypes
 import functools
 import os
 import re
+import select
 import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["free_port", "die_with_parent", "ReadyLineChild"]
+__all__ = ["free_port", "die_with_parent", "ReadyLineChild", "read_line"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -117,3 +120,19 @@ class ReadyLineChild:
         except OSError:
             return ""
         return data[max(self.log_offset, len(data) - n_bytes):].decode("utf-8", "replace")
+
+
+def read_line(proc: subprocess.Popen, what: str, timeout: float) -> str:
+    """The next line ``proc`` writes to its stdout (a text pipe) within ``timeout`` seconds,
+    stripped. When none comes (it exited, or is silent), ``proc`` is killed and
+    ``RuntimeError`` names ``what``, its exit code and the end of its stderr (if a pipe)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        code = proc.wait()
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        err = err.decode("utf-8", "replace") if isinstance(err, bytes) else err
+        raise RuntimeError(f"{what} gave no line within {timeout:g} s (exit {code}): {err.strip()[-2000:]}")
+    return line.strip()

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner.metrics import Slo
+from planner.metrics import Slo, summary_stat
 from planner.sim.config import from_up_flags
 from planner.sim.run import Profiles
 from planner.sim.sweep import SLO_SCALES, SweepSettings, simulate_sweep
@@ -73,15 +73,13 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
 
 def brief(rec: dict[str, Any]) -> dict[str, Any]:
     """A configuration's curve, as ``benchmarks.sweep`` prints it."""
-    def stat(p: dict[str, Any], metric: str, q: str) -> float | None:
-        d = p["summary"][metric]
-        return None if d is None else d[q]
+    def point(s: dict[str, Any]) -> dict[str, Any]:
+        return {"ttft_p50": summary_stat(s, "ttft_s", "p50"), "ttft_p90": summary_stat(s, "ttft_s", "p90"),
+                "tpot_p50": summary_stat(s, "tpot_s", "p50"), "tpot_p90": summary_stat(s, "tpot_s", "p90"),
+                "goodput": s["goodput"], "attainment": s["attainment"], "issued": s["issued"], "failed": s["failed"]}
 
-    return {k: v for k, v in rec.items() if k != "points"} | {"curve": [
-        {"rate": p["rate"], "ttft_p50": stat(p, "ttft_s", "p50"), "ttft_p90": stat(p, "ttft_s", "p90"),
-         "tpot_p50": stat(p, "tpot_s", "p50"), "tpot_p90": stat(p, "tpot_s", "p90"),
-         "goodput": p["summary"]["goodput"], "attainment": p["summary"]["attainment"],
-         "issued": p["summary"]["issued"], "failed": p["summary"]["failed"]} for p in rec["points"]]}
+    return {k: v for k, v in rec.items() if k != "points"} | {
+        "curve": [{"rate": p["rate"], **point(p["summary"])} for p in rec["points"]]}
 
 
 def plot(results: dict[str, dict[str, Any]], out: Path, title: str) -> None:

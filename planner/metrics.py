@@ -29,7 +29,7 @@ import numpy as np
 __all__ = [
     "RequestResult", "Slo", "Unloaded", "Distribution", "Summary",
     "percentile", "distribution", "summarize", "attainment_at_scales", "summarize_by_tag",
-    "max_rate_meeting",
+    "max_rate_meeting", "summary_stat",
 ]
 
 
@@ -220,6 +220,14 @@ def attainment_at_scales(results: Sequence[RequestResult], slo: Slo,
     if not results:
         return [0.0 for _ in scales]
     return [sum(slo.scaled(k).met(r) for r in results) / len(results) for k in scales]
+
+
+def summary_stat(summary: dict[str, Any] | None, metric: str, stat: str) -> float | None:
+    """``stat`` (``p50``, ``p99``, ``mean``...) of ``metric`` (``ttft_s``...) in a summary as
+    JSON has it (``asdict(Summary)``); None where the summary, the metric or its values are not
+    there."""
+    d = (summary or {}).get(metric)
+    return None if not d else d[stat]
 
 
 def max_rate_meeting(points: list[dict[str, Any]], target: float = 0.9) -> dict[str, float | None]:

@@ -6,13 +6,11 @@ own, and a teardown that leaves nothing behind."""
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import sys
 import time
 
-import pytest
-
+from kvstore.proc import read_line
 from tests.procs import REPO
 
 SERVER = ("import socket, sys\n"
@@ -32,18 +30,6 @@ CLIENT = ("import sys\n"
           "    assert c.get_bytes([key]) == [sys.argv[3].encode() * 4096]\n"
           "    print(c.transport, c.map_attempts)\n")
 _SECRET_ENV = ("KVSTORE_AUTH_TOKEN", "KVCACHE_CLUSTER_SECRET", "KVCACHE_CLUSTER_SECRET_FILE")
-
-
-def _readline(proc: subprocess.Popen, timeout: float = 20.0) -> str:
-    """The next line of ``proc``'s stdout within ``timeout``, or fail with its stderr."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
-        pytest.fail(f"no line from {proc.args!r} within {timeout} s: {err}")
-    return line.strip()
 
 
 def _ok(r: subprocess.CompletedProcess[str]) -> str:
@@ -66,7 +52,7 @@ def test_tcp_between_hosts_and_from_the_root_namespace(hosts):
     h = hosts(2)
     a, b = h
     server = a.popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-    assert _readline(server) == "listening"
+    assert read_line(server, "the server", 20) == "listening"
     assert _ok(b.run([sys.executable, "-c", DIAL, a.address])) == f"hello {b.address}"
     with socket.create_connection((a.address, 7000), timeout=5) as c:
         assert c.recv(100).decode() == f"hello {h.bridge_address}"
@@ -115,7 +101,7 @@ def test_a_store_daemon_serves_another_host_over_tcp_and_its_own_over_shm(hosts,
                       "--port", "7700", "--memory", "16M",
                       "--cluster-secret-file", str(tmp_path / "secret")],
                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = _readline(daemon)
+    ready = read_line(daemon, "the store daemon", 20)
     # Bound to a wildcard, it reports the address other hosts reach it at.
     assert ready.startswith(f"kvstore ready address={a.address}:7700 "), ready
     address = f"{a.address}:7700"
@@ -134,7 +120,7 @@ def test_a_killed_harness_leaves_no_process_and_the_next_one_sweeps_its_namespac
               "time.sleep(60)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    name, bridge, *pids = _readline(owner).split()
+    name, bridge, *pids = read_line(owner, "the harness", 20).split()
     owner.kill()
     owner.wait()
     deadline = time.monotonic() + 5
