@@ -18,14 +18,13 @@ No secret means no authentication, which a server accepts only on loopback:
 says ``--insecure``.
 
 On the wire: the store's HELLO frame carries it (``kvstore.net.protocol``); HTTP requests
-carry ``Authorization: Bearer <secret>`` (:func:`bearer_headers`, checked with
-:func:`bearer_matches` in constant time).
+carry ``Authorization: Bearer <secret>`` (:func:`bearer_headers`; the servers check it with
+``kvstore.http_auth.BearerGate``, in constant time).
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
 import os
 import secrets
@@ -39,7 +38,6 @@ __all__ = [
     "SecretError",
     "add_secret_flags",
     "bearer_headers",
-    "bearer_matches",
     "check_bind",
     "generate",
     "is_loopback",
@@ -146,13 +144,3 @@ def write_secret_file(path: str | os.PathLike[str], secret: str) -> Path:
 def bearer_headers(secret: str | None) -> dict[str, str]:
     """The HTTP headers an internal caller sends: ``Authorization: Bearer <secret>``."""
     return {"Authorization": f"Bearer {secret}"} if secret else {}
-
-
-def bearer_matches(header: str | None, secret: str | None) -> bool:
-    """Whether an ``Authorization`` header carries ``secret`` (constant-time). With no
-    secret configured, everything matches."""
-    if not secret:
-        return True
-    if not header:
-        return False
-    return hmac.compare_digest(header.encode(), f"Bearer {secret}".encode())

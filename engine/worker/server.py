@@ -17,8 +17,9 @@
   "serving"|"draining", "in_flight", "draining_s", "changes", "last"}``.
 
 Authentication: given the cluster secret (``kvstore.secret``), every path but ``/health`` and
-``/metrics`` requires ``Authorization: Bearer <secret>`` (checked in constant time) and answers
-401 ``{"error"}`` otherwise, before the request reaches a handler (unknown paths too). Without
+``/metrics`` requires ``Authorization: Bearer <secret>`` (``kvstore.http_auth.BearerGate``,
+constant time) and answers 401 ``{"error"}`` otherwise, before the request reaches a handler
+(unknown paths too). Without
 a secret nothing is checked: loopback dev mode (``kvengine serve`` refuses to listen beyond
 loopback without one unless ``--insecure``).
 
@@ -56,13 +57,12 @@ from engine.core.llm_engine import BlockKeyMismatch
 from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from engine.worker.role import RoleBusy, RoleChanger, RolePublishError
 from engine.worker.worker import Draining, EngineWorker
-from kvstore.secret import bearer_matches
+from kvstore.http_auth import BearerGate, Gate
 
-__all__ = ["OPEN_PATHS", "create_app"]
+__all__ = ["create_app"]
 
 NDJSON = "application/x-ndjson"
 _EVENT_BATCH = 1024
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the cluster secret
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -73,26 +73,9 @@ def _error(status_code: int, message: str, /, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status_code)
 
 
-class _RequireSecret:
-    """ASGI middleware: 401 unless ``Authorization: Bearer <secret>``, but on ``OPEN_PATHS``.
-    Plain ASGI (not ``BaseHTTPMiddleware``), so a stream passes through untouched."""
-
-    def __init__(self, app: ASGIApp, secret: str) -> None:
-        self.app = app
-        self.secret = secret
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        if bearer_matches(header, self.secret):
-            return await self.app(scope, receive, send)
-        reason = "no Authorization header" if header is None else "wrong credentials"
-        response = JSONResponse(
-            {"error": f"unauthorized ({reason}): this worker requires 'Authorization: Bearer "
-                      "<cluster secret>' on every path but /health and /metrics"},
-            status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+def _unauthorized(reason: str) -> dict[str, str]:
+    return {"error": f"unauthorized ({reason}): this worker requires 'Authorization: Bearer "
+                     "<cluster secret>' on every path but /health and /metrics"}
 
 
 class _RequireWorkerId:
@@ -125,7 +108,7 @@ def create_app(worker: EngineWorker, info: WorkerInfo, events: EventStream,
     app = FastAPI(title="kvengine worker", docs_url=None, redoc_url=None)
     app.add_middleware(_RequireWorkerId, worker_id=info.worker_id)
     if secret:
-        app.add_middleware(_RequireSecret, secret=secret)
+        app.add_middleware(BearerGate, gates=[Gate("/", (secret,), _unauthorized)])
     roles = roles or RoleChanger(info, in_flight=lambda: worker.in_flight)
     app.state.roles = roles
     app.state.closing = asyncio.Event()  # binds to a loop on first use (Python >= 3.10)

@@ -21,7 +21,8 @@ tokenizer; ``vllm bench serve`` checks its prompts' lengths with them), ``GET /h
 in a cluster without one, what every other path needs). Every
 error, routing's 404 and 405 included, is an OpenAI error body with its status. With
 ``config.api_key`` set, everything but ``/health`` and ``/metrics`` needs
-``Authorization: Bearer <key>``. Admission control: past ``config.max_inflight_requests``
+``Authorization: Bearer <key>`` (both checks: ``kvstore.http_auth.BearerGate``, the worker's
+too; a 401 is an OpenAI error body). Admission control: past ``config.max_inflight_requests``
 requests in flight, new ones get 429. A client that disconnects mid-stream closes the choice
 streams, which aborts the request on its workers.
 
@@ -31,7 +32,6 @@ The pool's lifecycle follows the app's (started in the lifespan, on the serving 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api.generate import WorkerInfo
 from engine.api.tokenizer import ChatTemplateError, Tokenizer
+from kvstore.http_auth import BearerGate, Gate
 from router.config import RouterConfig
 from router.http.bodies import body_schema, document_bodies, read_json_body
 from router.http.choices import ChoiceDelta, run_choice
@@ -150,20 +151,11 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _bug)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if config.cluster_secret and request.url.path.startswith(ADMIN_PREFIX):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.cluster_secret}".encode()):
-                err = Unauthorized("the admin API needs 'Authorization: Bearer <cluster secret>'")
-                return JSONResponse(err.to_json(), status_code=err.status)
-            return await call_next(request)
-        if config.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                err = Unauthorized()
-                return JSONResponse(err.to_json(), status_code=err.status)
-        return await call_next(request)
+    app.add_middleware(BearerGate, gates=[
+        Gate(ADMIN_PREFIX, (config.cluster_secret,), lambda _reason: Unauthorized(
+            "the admin API needs 'Authorization: Bearer <cluster secret>'").to_json()),
+        Gate("/", (config.api_key,), lambda _reason: Unauthorized().to_json()),
+    ])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -247,8 +239,6 @@ def create_app(
 # --- helpers -------------------------------------------------------------------------------
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-"""Served without the API key (load balancers and scrapers); everything else needs it."""
 ADMIN_PREFIX = "/admin/"
 """Paths for the cluster's own processes (the autoscaler): the cluster secret, not the API key."""
 

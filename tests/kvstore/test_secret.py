@@ -55,11 +55,7 @@ def test_check_bind_refuses_open_servers_without_a_secret() -> None:
 
 def test_bearer() -> None:
     assert S.bearer_headers(None) == {}
-    h = S.bearer_headers("abc")["Authorization"]
-    assert S.bearer_matches(h, "abc")
-    assert not S.bearer_matches("Bearer abd", "abc")
-    assert not S.bearer_matches(None, "abc")
-    assert S.bearer_matches(None, None)
+    assert S.bearer_headers("abc") == {"Authorization": "Bearer abc"}   # what BearerGate wants
 
 
 def test_flags() -> None:
