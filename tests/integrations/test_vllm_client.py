@@ -59,8 +59,8 @@ async def _collect(client: VllmWorkerClient, request: GenerateRequest
 
 
 def _prompt(pd: VllmPD, n: int, start: int) -> list[int]:
-    """``n`` tokens of this repository's architecture notes, from token ``start``."""
-    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids
+    """``n`` tokens of this repository's benchmark notes, from token ``start``."""
+    ids = pd.tokenizer().encode((ROOT / "docs" / "benchmarks.md").read_text()).ids
     assert len(ids) >= start + n
     return ids[start:start + n]
 

@@ -29,7 +29,7 @@ MAX_TOKENS = 12
 
 def _prompts(pd: VllmPD) -> list[list[int]]:
     """Prompts cut from this repository's docs (none a block multiple)."""
-    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids
+    ids = pd.tokenizer().encode((ROOT / "docs" / "benchmarks.md").read_text()).ids
     # Two ~1.9k-token prompts, and a shorter one for the decode that waits for its prefill.
     return [ids[9000:10900], ids[11100:13017], ids[13200:14233]]
 

@@ -28,8 +28,8 @@ MAX_TOKENS = 16
 
 
 def _text_prompt(pd: VllmPD, tokens: int) -> str:
-    """About ``tokens`` tokens of this repository's architecture notes."""
-    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids
+    """About ``tokens`` tokens of this repository's benchmark notes."""
+    ids = pd.tokenizer().encode((ROOT / "docs" / "benchmarks.md").read_text()).ids
     return pd.tokenizer().decode(ids[2000:2000 + tokens])
 
 
@@ -80,7 +80,7 @@ def test_a_killed_store_is_a_miss_and_its_return_is_found(vllm_pd: VllmPD) -> No
     assert store.proc is not None
     store.proc.kill()
     store.proc.wait()
-    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids[20000:20900]
+    ids = pd.tokenizer().encode((ROOT / "docs" / "benchmarks.md").read_text()).ids[20000:20900]
     before = pd.consumer.prompt_tokens_by_source()
     resp = httpx.post(pd.consumer.url + "/v1/completions", headers=pd.headers, timeout=600, json={
         "model": pd.model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -134,7 +134,7 @@ def test_a_vllm_decode_killed_mid_stream_is_resumed_on_another(vllm_pd: VllmPD) 
         time.sleep(0.2)
 
     n_out = 96   # several seconds of decoding: finding the serving instance takes up to a second
-    ids = pd.tokenizer().encode((ROOT / "docs" / "architecture.md").read_text()).ids[30000:30300]
+    ids = pd.tokenizer().encode((ROOT / "docs" / "benchmarks.md").read_text()).ids[30000:30300]
     failovers = _failovers(pd)
     got: list[int] = []
     with httpx.stream("POST", pd.router_url + "/v1/completions", timeout=600, json={
