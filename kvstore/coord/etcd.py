@@ -1,6 +1,6 @@
 """A small etcd v3 client over etcd's HTTP/JSON gateway (etcd >= 3.4).
 
-Why the gateway and not gRPC: see docs/architecture.md ("etcd client"). Every call is a
+Why the gateway and not gRPC: see docs/decisions/0001-etcd-http-gateway.md. Every call is a
 ``POST /v3/...`` with a JSON body; keys and values travel base64-encoded, int64 fields as
 decimal strings, and fields at their default value (0, false, "PUT") are omitted in replies.
 

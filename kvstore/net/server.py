@@ -1,8 +1,8 @@
 """The daemon's socket server: one epoll thread for every waiting connection, a bounded pool
 of serving threads for the ones with something to say, over a ``BlockStore``.
 
-Threads (see docs/architecture.md, "Threads, not asyncio", and "The store daemon's
-connections"):
+Threads (see docs/decisions/0006-daemon-threads-not-asyncio.md and
+0007-daemon-epoll-bounded-pool.md):
 
 - ``serve_forever()`` (the caller's thread) owns the listening socket and one epoll set.
   Every connection that waits for its next request waits there, registered one-shot, and

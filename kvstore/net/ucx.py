@@ -6,9 +6,9 @@ is the session's life. Only block values move over UCX, as one tagged message a 
 from where the block lies into where it goes: a GET's blocks from their pinned arena slots
 into the caller's buffers, a PUT's values into their reserved arena slots. UCX's rendezvous
 protocol moves a large tagged message with no intermediate copy (RDMA where the hardware
-has it; on this machine UCX runs over TCP: docs/architecture.md, "Transports"). So every guarantee of the TCP path holds
-unchanged: authentication, typed errors, bad input closing one connection, and whatever a
-connection reserved or pinned dying with its socket.
+has it; without RDMA hardware UCX runs over TCP: docs/decisions/0059-transports.md). So every
+guarantee of the TCP path holds unchanged: authentication, typed errors, bad input closing
+one connection, and whatever a connection reserved or pinned dying with its socket.
 
 Setting up (after HELLO succeeded; before it the daemon answers nothing but HELLO):
 

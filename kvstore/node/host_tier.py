@@ -7,7 +7,7 @@ Policy lives in ``store.py``; this module keeps the bookkeeping exact and O(1) p
   Pinning takes an entry out of it, the last unpin puts it back at the most-recent end, so
   eviction is ``popitem(last=False)`` and never has to skip a pinned block. Reserved entries
   are never in it. "Last use" is therefore the later of commit and last unpin.
-- Batch callers touch keys from last to first (``docs/architecture.md``, "Eviction order"):
+- Batch callers touch keys from last to first (``docs/decisions/0005-eviction-tail-before-head.md``):
   the store does that; this index only records the order it is given.
 - Pins and reservations are counted per ``owner`` (any hashable token, e.g. a connection) so
   ``release_owner`` can drop everything a dead connection held. ``owner=None`` is not tracked.

@@ -9,7 +9,7 @@ layer, for each index of the dims before the block dim (FlashAttention's K then 
 contiguous run of bytes the block owns there. A block's value is those chunks back to back,
 ``[num_chunks, chunk_elems]`` of the cache dtype under ``kvstore.codec``'s header; the
 namespace names the backend's shapes and strides, so a block is only ever read back into the
-same layout (docs/architecture.md: "vLLM blocks are stored as vLLM lays them out").
+same layout (docs/decisions/0055-vllm-native-connector.md).
 
 ``BlockLayout`` holds one ``[num_blocks, chunk_bytes]`` uint8 view per chunk. From them it
 gives a load's addresses for ``kvstore.client.scatter`` (a CPU cache, written in place),
