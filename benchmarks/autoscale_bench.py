@@ -1,4 +1,4 @@
-"""Issue 14's autoscaling benchmark: a workload that turns from decode-heavy to prefill-heavy
+"""The autoscaling benchmark: a workload that turns from decode-heavy to prefill-heavy
 halfway, served by every static configuration and by the autoscaled cluster, one after
 another in one run, on the same two-worker budget.
 

@@ -1,4 +1,4 @@
-"""Issue 5's comparison: four serving configurations on one CPU budget, every workload, one run.
+"""The comparison: four serving configurations on one CPU budget, every workload, one run.
 
     python -m benchmarks.compare --quick --out results/compare_quick     # 6.5 min on 2 CPUs
     python -m benchmarks.compare --out results/compare                    # 45 min on 2 CPUs
@@ -153,7 +153,7 @@ async def long_hit(url: str, space: TokenSpace, seed: int = 7) -> dict[str, Any]
         out["store_hit_over_cold"] = ttft["store_hit"] / ttft["cold"]
         out["device_hit_over_cold"] = (ttft["device_hit"] or float("nan")) / ttft["cold"]
     if ttft.get("store_hit") and ttft.get("device_hit"):
-        # Issue 12's figure: what the store adds to a hit, against a memcpy of the bytes it
+        # The figure: what the store adds to a hit, against a memcpy of the bytes it
         # brings, timed here in the same run (the default model's 720 KiB a block).
         blocks = LONG_PROMPT // 16
         memcpy_s = memcpy_seconds(blocks * 30 * 2 * 16 * 3 * 64 * 4)

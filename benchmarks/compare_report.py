@@ -185,7 +185,7 @@ def tables(fig: dict[str, Any]) -> str:
 
 
 def targets(cs: dict[str, Any]) -> list[str]:
-    """Issue 5's three targets, as measured in this run."""
+    """The three targets, as measured in this run."""
     out = []
     inter = {n: f["mixed"]["interference"] for n, f in cs.items() if f.get("mixed")}
     if inter:

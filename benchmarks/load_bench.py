@@ -16,7 +16,7 @@ For each transport (``shm``, ``tcp``), thread count (1, 2) and N, each round tim
 - ``get``: the store client's plain batched get of the same N blocks into an already touched
   buffer (one client, no verification, no scatter): the transport's own cost.
 
-Every figure is the median over rounds; targets (issue 12): ``load / memcpy`` at most 2 over
+Every figure is the median over rounds; targets: ``load / memcpy`` at most 2 over
 shared memory, ``load / get`` at most 1.3 over TCP. Seeded; one JSON line on stdout, the same
 JSON and a PNG in ``--out``.
 """

@@ -3,7 +3,7 @@
     python -m benchmarks.recommend_check --runs results/fidelity/r1 results/fidelity/r2 results/fidelity/r3 \\
         --profile results/fidelity/profile_t1.json --profile results/fidelity/profile_t2.json
 
-Issue 14's part 3 on this machine. For each part of the runs (mixed, mixed_quiet, trace,
+Checks the planner's recommendations against measured sweeps. For each part of the runs (mixed, mixed_quiet, trace,
 multi_turn) the planner gets the workload compare gave its first configuration's sweep (the
 run's recorded flags: workload, rates, point length, salts; objectives dropped, so the planner
 derives them as compare does, from its first candidate's unloaded latency) and the budget of

@@ -38,7 +38,7 @@ hash is the first 8 bytes of its key (little-endian), used as both its ``tokens_
 Latencies are per call (``perf_counter_ns``), ``--rounds`` rounds of every query, ours and
 Dynamo's taking turns within a round; each figure is the median over rounds of that round's
 p50 / p99. Every query is a distinct prompt and nothing is cached across queries. The index's
-table (native C or the Python dict, ``KvIndex.backend``) is reported. Targets (issue 12), in
+table (native C or the Python dict, ``KvIndex.backend``) is reported. Targets, in
 every cell, in the median of 3 runs (``python -m benchmarks.router_report``): our lookup at or
 below Dynamo's ``find_matches`` at p50 and p99, and the whole decision within 1.25x of
 ``find_matches`` at p99; and a decision's p99 under 1 ms.

@@ -1,6 +1,6 @@
 """router_bench's report: the targets' verdict, the plot, and the median of several runs.
 
-The issue's targets are judged in the median of 3 runs; one command runs them and reports it::
+The router's targets are judged in the median of 3 runs; one command runs them and reports it::
 
     .venv/bin/python -m benchmarks.router_report --runs 3 --save /tmp/rb -- --peer dynamo --out /tmp/rb
 
@@ -29,14 +29,14 @@ __all__ = ["TARGET_P99_MS", "TARGET_LOOKUP_VS_DYNAMO", "TARGET_DECISION_P99_VS_D
            "targets", "plot_cells", "median_cells", "table"]
 
 TARGET_P99_MS = 1.0
-TARGET_LOOKUP_VS_DYNAMO, TARGET_DECISION_P99_VS_DYNAMO = 1.0, 1.25  # issue 12
+TARGET_LOOKUP_VS_DYNAMO, TARGET_DECISION_P99_VS_DYNAMO = 1.0, 1.25
 _PCTS = ("p50", "p99")
 
 
 def targets(cells: list[dict], peer: bool) -> dict:
     """The verdict over ``cells``: every decision's p99 under 1 ms; with Dynamo, every cell's
     lookup at or below ``find_matches`` at p50 and p99 (ratio <= 1.0) and its decision within
-    1.25x of it at p99 (issue 12), and no query whose match differs from Dynamo's."""
+    1.25x of it at p99, and no query whose match differs from Dynamo's."""
     p99_max = max(c["ours"]["decision_us"]["p99"] for c in cells) / 1e3
     out = {"decision_p99_ms_max": round(p99_max, 4), "p99_under_1ms": p99_max < TARGET_P99_MS}
     if peer:

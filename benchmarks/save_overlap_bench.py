@@ -1,6 +1,6 @@
 """Prefill time with the kvstore connector saving every full block vs. no connector.
 
-The target (issue 3): saving overlaps compute, so prefill with saving on stays within 10% of
+The target: saving overlaps compute, so prefill with saving on stays within 10% of
 saving off. One seeded workload, run alternately in both modes (medians of ``--reps``) on one
 ModelRunner, against a real ``kvstore serve`` daemon on this host (shared memory path).
 Fresh prompts every run, so nothing hits a cache. Prints one JSON line:

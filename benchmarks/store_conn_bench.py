@@ -8,7 +8,7 @@ measures again, with the daemon's threads and memory before and after. One JSON 
     python -m benchmarks.store_conn_bench --connections 2000 --requests 1000
 
 Seeded (the block contents); bounded in time (each phase has a deadline, well under two
-minutes in all on a laptop). The figures of issue 10 ("grows by at most 200 MB and 64
+minutes in all on a laptop). Its targets ("grows by at most 200 MB and 64
 threads, p99 within 2x") are ``rss_growth_mb``, ``thread_growth`` and ``p99_ratio``.
 """
 

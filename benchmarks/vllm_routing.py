@@ -28,7 +28,7 @@ the same for both routers), and from the instances' own Prometheus counters (del
 run, summed over instances): the device prefix-cache hit rate (``vllm:prefix_cache_hits`` over
 ``vllm:prefix_cache_queries``, in tokens), the share loaded through the connector
 (``vllm:external_prefix_cache_hits``), and each instance's share of the requests. Figures:
-the median over repeats with the min-max spread. Target (issue 30): ours ahead on goodput and
+the median over repeats with the min-max spread. Target: ours ahead on goodput and
 p99 TTFT by more than the repeats' spread, level or better on the hit rate. One JSON line on
 stdout; ``OUT/vllm_routing.json`` and ``OUT/vllm_routing.png``.
 """

@@ -8,8 +8,8 @@
 #   bash scripts/gpu_check.sh --cpu-selftest                              # the same, here, on CPU
 #   bash scripts/gpu_check.sh --install-only        # only the venv and the wheels, then exit
 #
-# Writes DIR/gpu_check.json and DIR/gpu_check.log (DIR: --out, default results/gpu_check; under
-# the device tool, $OUT/gpu_check when $OUT is set). Environment: PYTHON (default python3, the
+# Writes DIR/gpu_check.json and DIR/gpu_check.log (DIR: --out, default results/gpu_check, or
+# $OUT/gpu_check when $OUT is set). Environment: PYTHON (default python3, the
 # interpreter that holds the machine's torch), GPU_CHECK_VENV (default /tmp/gpu-check-venv),
 # GPU_WHEELS_DIR (default .gpu_wheels).
 set -euo pipefail
@@ -48,10 +48,10 @@ else
         echo "[gpu_check] venv $VENV over $("$BASE" -c 'import sys; print(sys.executable)')"
         # No pip inside (ensurepip may be missing there); the base's pip installs into it.
         "$BASE" -m venv --system-site-packages --without-pip "$VENV"
-        # A base python that is itself a venv (the device's /opt/torch/.venv): the new venv's
+        # A base python that is itself a venv (e.g. an image's /opt/torch/.venv): the new venv's
         # "system" packages are the base interpreter's, not that venv's; a .pth adds that venv's
         # site directories (their own .pth files processed), after the new venv's own, so the
-        # carried wheels come first.
+        # wheels of GPU_WHEELS_DIR come first.
         outer=$("$BASE" -c 'import site, sys; print("".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages()) if sys.prefix != sys.base_prefix else "", end="")')
         if [ -n "$outer" ]; then
             printf '%s\n' "$outer" > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_gpu_check_base.pth"

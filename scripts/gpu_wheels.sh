@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Download, here (with network), the wheels scripts/gpu_check.sh installs offline on a CUDA
 # machine: the project's dependencies that the device image lacks, as CPython 3.12
-# manylinux x86_64 wheels, into .gpu_wheels/ (git-ignored; carried with the working tree).
+# manylinux x86_64 wheels, into .gpu_wheels/ (git-ignored; copy it with the working tree to the GPU machine).
 #
-# The device image (the `device` tool's KINDS.md) already holds Python 3.12, torch 2.11 for
+# The GPU image this targets already holds Python 3.12, torch 2.11 for
 # CUDA 13, transformers 5.17, Triton, CuPy, numpy, safetensors, tokenizers, jinja2, httpx,
 # aiohttp, xxhash, prometheus-client, tqdm, anyio, click, h11, annotated-doc: those are not
-# carried (the check's venv sees them through --system-site-packages). What is missing, pinned
+# downloaded (the check's venv sees them through --system-site-packages). What is missing, pinned
 # to the versions .venv tests with:
 #   fastapi, starlette, uvicorn    the worker's HTTP server
 #   pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api   fastapi's needs

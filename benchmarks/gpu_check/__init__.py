@@ -26,7 +26,7 @@ vllm_layout       30  the vLLM connector's saves and staged loads on FlashAttent
                       (benchmarks.gpu_check.vllm_layout)
 decode_tps        50  decode tokens/s at batch 1/32/128, ours vs transformers, bf16
 prefill_tps       30  prefill tokens/s at 512/4096 tokens, ours vs transformers, bf16
-cuda_ipc          30  hook: the transports issue's CUDA IPC check (benchmarks.gpu_check.hooks)
+cuda_ipc          30  hook: the CUDA IPC check (benchmarks.gpu_check.hooks)
 ucx_cuda          40  124 blocks from CUDA tensors in a child process into this one's as ucxx
                       tagged messages, bit-exact, vs an in-process device copy, and the UCX
                       transports used (benchmarks.gpu_check.ucx_cuda); ucxx is not in the

@@ -36,7 +36,7 @@ def _sections() -> list[Section]:
                 "FlashAttention- and head-major-shaped device caches, bit-exact, vs a bare pinned copy"),
         Section("decode_tps", 50, figures.decode_tps, doc="decode tokens/s, ours vs transformers"),
         Section("prefill_tps", 30, figures.prefill_tps, doc="prefill tokens/s, ours vs transformers"),
-        Section("cuda_ipc", 30, hooks.cuda_ipc, cuda_only=True, doc="hook: the transports issue's "
+        Section("cuda_ipc", 30, hooks.cuda_ipc, cuda_only=True, doc="hook: the "
                 "CUDA IPC check"),
         Section("ucx_cuda", 40, ucx_cuda.run, doc="124 KV blocks from CUDA tensors in a child "
                 "process into this one's as ucxx tagged messages vs an in-process copy; its own "

@@ -1,4 +1,4 @@
-"""Hook sections other work fills in: the transports issue's CUDA IPC, the planner's profile.
+"""Hook sections filled in by other modules: the CUDA IPC check, the planner's profile.
 
 - ``cuda_ipc``: runs ``benchmarks.gpu_check.ipc.run(ctx, rec)`` when that module exists (the
   transports issue adds it: CUDA tensors between two processes through the store without a
@@ -32,8 +32,8 @@ LLAMA3_8B_MIN_S = 150.0  # generating, writing and profiling the 8B shape takes 
 
 def cuda_ipc(ctx: Ctx, rec: dict[str, Any]) -> None:
     if importlib.util.find_spec("benchmarks.gpu_check.ipc") is None:
-        raise NotImplementedHook("no CUDA IPC check yet: the transports issue adds "
-                                 "benchmarks/gpu_check/ipc.py with run(ctx, rec)")
+        raise NotImplementedHook("no CUDA IPC check: "
+                                 "benchmarks/gpu_check/ipc.py is missing with run(ctx, rec)")
     importlib.import_module("benchmarks.gpu_check.ipc").run(ctx, rec)
 
 

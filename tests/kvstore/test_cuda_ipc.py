@@ -1,4 +1,4 @@
-"""The CUDA IPC path (issue 16): the GPU tier's pins and reservations (on a "cpu" tier here),
+"""The CUDA IPC path: the GPU tier's pins and reservations (on a "cpu" tier here),
 its wire ops on real daemons, the client's clear refusal without CUDA, and, on a CUDA
 machine, two processes moving blocks through one daemon's GPU tier device to device."""
 

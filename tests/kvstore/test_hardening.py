@@ -1,4 +1,4 @@
-"""The daemon under hostile or careless clients (issue 10): nothing allocated before
+"""The daemon under hostile or careless clients: nothing allocated before
 authentication, no client flushing or holding the cache, file descriptors and threads
 bounded, timeouts. Real daemons, raw sockets."""
 

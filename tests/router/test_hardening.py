@@ -1,4 +1,4 @@
-"""The router's HTTP face under hostile or unusual input (issue 10), over real HTTP (uvicorn)
+"""The router's HTTP face under hostile or unusual input, over real HTTP (uvicorn)
 against fake workers: every error is OpenAI's shape with its status, the sampling fields vLLM
 accepts reach the workers, the ones it knows and we do not implement are refused, /health
 names each dependency, a dead store is routed around and said so, worker calls carry the
