@@ -24,16 +24,16 @@ All of it is :func:`estimate_prefill`, the one place it is written; the prefill 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from router.workers.load import WorkerLoad
 
 __all__ = ["PrefillEstimate", "estimate_prefill"]
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillEstimate:
-    """One worker's estimated time to first token for one prompt, with its parts."""
+class PrefillEstimate(NamedTuple):
+    """One worker's estimated time to first token for one prompt, with its parts (immutable;
+    a tuple, cheap to build: a decision builds one per candidate)."""
 
     worker_id: str
     device_hit_tokens: int
@@ -54,24 +54,21 @@ def estimate_prefill(
     """The TTFT estimate of ``worker`` for a prompt of ``num_tokens`` tokens whose first
     ``device_blocks`` blocks are in its device cache and first ``store_blocks`` in the store
     (the module docstring has the arithmetic)."""
-    c, lc = worker.prefill_cost, worker.load_cost
-    queue = worker.pending_prefill_tokens * c.per_token_s + worker.pending_prefills * c.overhead_s
-    others = worker.figures.waiting - worker.pending_prefills
+    c = worker.prefill_cost
+    per_token, overhead, booked = c.per_token_s, c.overhead_s, worker.pending_prefills
+    queue = worker.pending_prefill_tokens * per_token + booked * overhead
+    others = worker.figures.waiting - booked
     if others > 0:
         mean = c.mean_tokens
-        queue += others * c.seconds(worker.rates.pivot_tokens if mean is None else mean)
+        queue += others * (overhead + (worker.rates.pivot_tokens if mean is None else mean) * per_token)
     device = store = uncached = 0
     if num_tokens:   # the last prompt token is always computed
         bs, last = worker.info.block_size, num_tokens - 1
-        device = min(device_blocks * bs, last)
-        cached = min(max(device_blocks, store_blocks) * bs, last)
+        device = device_blocks * bs if device_blocks * bs < last else last
+        cached = (device_blocks if device_blocks > store_blocks else store_blocks) * bs
+        cached = cached if cached < last else last
         store, uncached = cached - device, num_tokens - cached
-    return PrefillEstimate(
-        worker_id=worker.worker_id,
-        device_hit_tokens=device,
-        store_hit_tokens=store,
-        uncached_tokens=uncached,
-        queue_s=queue,
-        compute_s=c.overhead_s + uncached * c.per_token_s,
-        load_s=lc.overhead_s + store * lc.per_token_s if store else 0.0,
-    )
+    lc = worker.load_cost
+    return PrefillEstimate(worker.info.worker_id, device, store, uncached, queue,
+                           overhead + uncached * per_token,
+                           lc.overhead_s + store * lc.per_token_s if store else 0.0)

@@ -51,24 +51,24 @@ class PrefillPolicy:
         given worker is ``choose([worker], ...)``."""
         if not candidates:
             return None
-        depths = self._index.match(keys, [w.worker_id for w in candidates])
+        ids = [w.info.worker_id for w in candidates]
+        depths = self._index.match(keys, ids)
         if len(candidates) == 1 or self.name == "round-robin":
             w = candidates[0] if len(candidates) == 1 else \
                 sorted(candidates, key=lambda w: w.worker_id)[next(self._counter) % len(candidates)]
             return w, estimate_prefill(w, num_tokens, depths[w.worker_id], store_blocks)
-        ests = [estimate_prefill(w, num_tokens, depths[w.worker_id], store_blocks)
-                for w in candidates]
+        ests = [estimate_prefill(w, num_tokens, depths[wid], store_blocks)
+                for w, wid in zip(candidates, ids)]
+        ttfts = [e.ttft_s for e in ests]
         if self.name == "kv-aware":
-            low = min(e.ttft_s for e in ests)
+            low = min(ttfts)
             near = low + max(NEAR_S, NEAR_REL * low)
             # equal estimates: the most device hits, the lowest estimate, the least loaded,
             # then the lowest worker id
-            i = min((i for i, e in enumerate(ests) if e.ttft_s <= near),
-                    key=lambda i: (-depths[ests[i].worker_id], ests[i].ttft_s,
-                                   candidates[i].load, ests[i].worker_id))
+            i = min((i for i, t in enumerate(ttfts) if t <= near),
+                    key=lambda i: (-depths[ids[i]], ttfts[i], candidates[i].load, ids[i]))
         else:
-            i = min(range(len(candidates)),
-                    key=lambda i: (candidates[i].load, ests[i].ttft_s, ests[i].worker_id))
+            i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
         return candidates[i], ests[i]
 
 
