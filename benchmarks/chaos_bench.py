@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -51,6 +50,7 @@ from typing import Any
 import httpx
 
 from benchmarks import lifecycle
+from benchmarks.chaos_common import Cluster, launcher_restarts, read_records
 from benchmarks.serve_bench import machine_info
 
 KINDS = ("prefill", "decode", "store", "etcd")
@@ -88,60 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks.chaos_hosts import add_flags
     add_flags(p)
     return p
-
-
-# --- the cluster -----------------------------------------------------------------------------
-
-class Cluster:
-    """``kvrouter up`` as a child; what it runs, read from its ``cluster.json``."""
-
-    def __init__(self, args: argparse.Namespace, out: Path, model: str) -> None:
-        self.log_dir = out / "logs"
-        self.request_log = out / "requests.jsonl"
-        for old in (self.request_log, out / "up.log"):
-            old.unlink(missing_ok=True)
-        self.up_log = open(out / "up.log", "w")
-        from router.cluster.child import free_port
-        argv = [sys.executable, "-m", "router.cli", "up", "--model", model, "--port", str(free_port()),
-                "--prefill", str(args.prefill), "--decode", str(args.decode), "--store-memory", "256M",
-                "--log-dir", str(self.log_dir), "--request-log", str(self.request_log),
-                "--ready-timeout", str(args.ready_timeout)]
-        if getattr(args, "hosts", 0):   # a store and a worker per host; every reuse through the store
-            argv += ["--hosts", str(args.hosts), "--worker-arg=--no-prefix-caching"]
-        self.proc = lifecycle.popen(argv, stdout=self.up_log, stderr=self.up_log)
-        deadline = time.monotonic() + args.ready_timeout
-        while "The router is up at" not in (out / "up.log").read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvrouter up did not come up (exit {self.proc.poll()}); see {out / 'up.log'}:\n"
-                                   + (out / "up.log").read_text()[-2000:])
-            time.sleep(0.2)
-        state = self.state()
-        self.router: str = state["router"]
-        self.etcd: str = state["etcd"]
-        self.name: str = state["cluster"]
-        self.metrics_url: str | None = state.get("metrics")
-        # The secret, from the file kvrouter up wrote: what the bench sends to workers itself.
-        self.secret = Path(state["secret_file"]).read_text().strip() if state.get("secret_file") else None
-
-    def state(self) -> dict[str, Any]:
-        for _ in range(50):   # rewritten atomically; absent only between runs
-            try:
-                return json.loads((self.log_dir / "cluster.json").read_text())
-            except (OSError, ValueError):
-                time.sleep(0.05)
-        raise RuntimeError("kvrouter up's cluster.json is gone")
-
-    def registered(self) -> set[str]:
-        from kvstore.coord import layout
-        from kvstore.coord.etcd import EtcdClient
-
-        with EtcdClient(self.etcd, timeout=1.0) as etcd:
-            return {k.rsplit("/", 1)[1] for kind in ("workers", "stores")
-                    for k in etcd.get_prefix(layout.prefix(self.name, kind))[0]}
-
-    def stop(self) -> None:
-        lifecycle.stop(self.proc, 60)
-        self.up_log.close()
 
 
 # --- load ------------------------------------------------------------------------------------
@@ -216,17 +162,6 @@ class Watch:
                 **({"not_routed_to": sorted(self.pending)} if self.pending else {})}
 
 
-def _records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    return [json.loads(x) for x in data[:end].splitlines() if x.strip()], offset + end
-
-
 def check(w: Watch, cluster: Cluster, state: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """Move ``w`` on: registered, then back (module docstring)."""
     now = state["children"][w.child]
@@ -283,7 +218,7 @@ async def chaos(cluster: Cluster, args: argparse.Namespace, t0: float, done: asy
             watches.append(Watch(kind, name, old, time.time()))
             lifecycle.kill_pid(old["pid"])
             print(f"[chaos] {time.time() - t0:6.1f} s: SIGKILL {name} (pid {old['pid']})", file=sys.stderr, flush=True)
-        new, offset = _records(cluster.request_log, offset)
+        new, offset = read_records(cluster.request_log, offset)
         records += new
         for w in watches:
             if w.back is None:
@@ -315,14 +250,6 @@ def _final_view(cluster: Cluster) -> dict[str, Any]:
     return view
 
 
-def _launcher_restarts(url: str | None) -> dict[str, float]:
-    if not url:
-        return {}
-    text = httpx.get(url, timeout=5, trust_env=False).text
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^kvrouter_up_child_restarts_total\{child="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
-
-
 async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]:
     cluster = Cluster(args, out, model)
     try:
@@ -344,7 +271,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
             finally:
                 done.set()
         results, watches = await asyncio.gather(load(), chaos(cluster, args, t0, done, all_back))
-        restarts = _launcher_restarts(cluster.metrics_url)
+        restarts = launcher_restarts(cluster.metrics_url)
         final = _final_view(cluster)
     finally:
         cluster.stop()
@@ -359,7 +286,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
         "bench": "chaos", "model": served, "workers": {"prefill": args.prefill, "decode": args.decode},
         "concurrency": args.concurrency, "duration_s": args.duration, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "salted": not args.no_salt,
-        "routes": dict(Counter(str(r.get("mode")) for r in _records(cluster.request_log, 0)[0])), "sent": len(results), "succeeded": len(results) - len(failed),
+        "routes": dict(Counter(str(r.get("mode")) for r in read_records(cluster.request_log, 0)[0])), "sent": len(results), "succeeded": len(results) - len(failed),
         "failed": len(failed), "failed_by_status": dict(Counter(r["status"] for r in failed)),
         "failed_examples": [{k: r[k] for k in ("start", "end", "status", "detail")} for r in failed[:5]],
         "differing_outputs": sum(1 for r in results if r["ok"] and r["differs"]),
@@ -372,7 +299,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
 
 def _model_dir(model: str) -> str:
     if model == "default":
-        from router.cluster.launcher import resolve_model_dir
+        from engine.api.paths import resolve_model_dir
         return str(resolve_model_dir("default"))
     return model
 

@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from benchmarks import lifecycle
+from benchmarks.chaos_common import Cluster, launcher_restarts, read_records
 from benchmarks.serve_bench import machine_info
 
 SYSTEM_TOKENS, SEGMENT_TOKENS, BLOCK = 24, 32, 16
@@ -172,7 +173,6 @@ def _rate(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]:
-    from benchmarks.chaos_bench import Cluster, _launcher_restarts, _records
     from kvstore.keys import block_keys
 
     cluster = Cluster(args, out, model)
@@ -242,7 +242,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
 
         async with httpx.AsyncClient(timeout=args.request_timeout, trust_env=False) as client:
             await asyncio.gather(chaos(), *(loop(client) for _ in range(args.concurrency)))
-        restarts = _launcher_restarts(cluster.metrics_url)
+        restarts = launcher_restarts(cluster.metrics_url)
     finally:
         if copies is not None:
             copies.close()
@@ -252,7 +252,7 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
     kill["copies_restored_s"] = (round(copies.restored_at - killed, 3)
                                  if copies and copies.restored_at and killed else None)
     kill["copies_after_warmup"], kill["copies_at_end"] = (copies.before, copies.last) if copies else (None, None)
-    log = {r["request_id"]: r for r in _records(cluster.request_log, 0)[0]}
+    log = {r["request_id"]: r for r in read_records(cluster.request_log, 0)[0]}
     ok = [dict(log[x["id"]], _start=x["start"]) for x in results if x.get("ok") and x["id"] in log]
     at = kill.get("at_s", float("inf"))
     windows = {"before": [r for r in ok if r["_start"] < at],
