@@ -35,6 +35,7 @@ from planner.sim.config import ClusterConfig, parse_bytes
 from planner.sim.run import Profiles
 from planner.sim.sweep import SweepSettings, simulate_config
 from planner.sim.worker import WorkerSpec
+from planner.sweep_args import add_objective_args, settings_from_args
 from planner.workloads import BenchRequest, TokenSpace, Workload
 
 __all__ = ["candidates", "recommend", "add_recommend_parser", "run_recommend", "workload_from_log"]
@@ -165,8 +166,6 @@ def workload_from_log(path: str | Path, space: TokenSpace, seed: int = 0) -> Wor
 
 
 def add_recommend_parser(sub: Any) -> None:
-    from planner.cli import add_objective_args
-
     r = sub.add_parser("recommend", help="search the configurations a budget allows; recommend the best",
                        description=(__doc__ or "").split("\n")[0])
     r.add_argument("--devices", type=int, required=True,
@@ -196,8 +195,6 @@ def add_recommend_parser(sub: Any) -> None:
 
 def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
     import sys
-
-    from planner.cli import settings_from_args
 
     profiles = Profiles.from_files(args.profile)
     gpu = all(p.hardware.device == "cuda" for p in profiles.profiles)

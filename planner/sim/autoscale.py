@@ -28,9 +28,9 @@ the simulation's seconds).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.worker.role import needs_drain
 from router.scaling.plan import Action, Layout, WorkerState, actions, fit_budget, role_of_pool
@@ -39,10 +39,9 @@ from router.scaling.signals import POOLS, Pool, pool_signals
 from router.scaling.window import RecentWindow
 
 if TYPE_CHECKING:
-    from planner.sim.cluster import SimCluster
     from planner.sim.worker import SimWorker
 
-__all__ = ["SimAutoscale", "SimAutoscaler"]
+__all__ = ["SimAutoscale", "SimAutoscaler", "SimFleet"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +62,34 @@ class SimAutoscale:
             raise ValueError(f"bad autoscale settings: {self}")
 
 
+class _Mode(Protocol):
+    @property
+    def mode(self) -> str: ...
+
+
+class SimFleet(Protocol):
+    """What the autoscaler drives (``planner.sim.cluster.SimCluster``): the virtual clock and
+    its events, the workers by id, the router's mode (``config.mode``), a worker's removal."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def config(self) -> _Mode: ...
+
+    @property
+    def workers(self) -> Mapping[str, SimWorker]: ...
+
+    def at(self, t: float, fn: Callable[[], None]) -> None: ...
+
+    def remove_worker(self, worker_id: str) -> None: ...
+
+
 class SimAutoscaler:
     """The router's scaling evaluation and the launcher's rounds on ``cluster``'s clock (module
     docstring). ``cluster.autoscaler`` is set to it; the cluster calls :meth:`observe_itl`."""
 
-    def __init__(self, cluster: SimCluster, spec: SimAutoscale,
+    def __init__(self, cluster: SimFleet, spec: SimAutoscale,
                  new_worker: Callable[[str], SimWorker]) -> None:
         self.cluster, self.spec, self._new_worker = cluster, spec, new_worker
         clock = lambda: cluster.now  # noqa: E731
