@@ -84,7 +84,7 @@ if [ "${SKIP_INTEGRATIONS:-0}" != 1 ]; then
     bash scripts/setup_loadgen.sh
 fi
 
-if [ "${SKIP_MODEL:-0}" != 1 ] && [ -f engine/model/convert.py ]; then
+if [ "${SKIP_MODEL:-0}" != 1 ]; then
     .venv/bin/python -m engine.model.convert --default
 fi
 echo "[setup] done"

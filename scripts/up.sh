@@ -4,7 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if [ -f router/cli.py ]; then
-    exec .venv/bin/kvrouter up "$@"
-fi
-exec .venv/bin/kvstore serve "$@"
+exec .venv/bin/kvrouter up "$@"
