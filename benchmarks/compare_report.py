@@ -21,8 +21,7 @@ from typing import Any
 
 import matplotlib
 
-from benchmarks.sweep import SLO_SCALES
-from planner.metrics import summary_stat
+from planner.metrics import SLO_SCALES, summary_stat
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

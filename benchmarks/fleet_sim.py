@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner.metrics import Slo
+from planner.metrics import SLO_SCALES, Slo
 from planner.recommend import candidates, recommend
 from planner.sim.run import Profiles, unloaded
 from planner.workload_args import spec_from_args
 from planner.workloads import TokenSpace
-from planner.sim.sweep import SLO_SCALES, SweepSettings
+from planner.sim.sweep import SweepSettings
 from planner.workload_args import add_workload_args
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "planner" / "profiles" / "a100_vidur_llama3_8b.json"

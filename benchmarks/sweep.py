@@ -53,13 +53,11 @@ from benchmarks.serve_bench import (
     add_bench_args, client_config, fetch_model, fixed_slo, machine_info, measure_unloaded, pin_client, run_point,
     write_requests,
 )
-from planner.metrics import Slo, Unloaded, attainment_at_scales, max_rate_meeting, summary_stat
+from planner.metrics import SLO_SCALES, Slo, Unloaded, attainment_at_scales, max_rate_meeting, summary_stat
 from planner.workload_args import build_workload, spec_from_args
 from planner.workloads import TokenSpace
 
 __all__ = ["Configuration", "Launched", "max_rate_meeting", "main"]
-
-SLO_SCALES = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner.metrics import summary_stat
+from planner.metrics import SLO_SCALES, summary_stat
 from planner.sim.config import from_up_flags
 from planner.sim.run import Profiles
-from planner.sim.sweep import SLO_SCALES, simulate_sweep
+from planner.sim.sweep import simulate_sweep
 from planner.sweep_args import add_objective_args, settings_from_args
 
 __all__ = ["build_parser", "main"]

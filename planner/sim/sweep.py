@@ -20,15 +20,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from planner.metrics import Slo, Unloaded, attainment_at_scales, max_rate_meeting
+from planner.metrics import SLO_SCALES, Slo, Unloaded, attainment_at_scales, max_rate_meeting
 from planner.sim.config import ClusterConfig
 from planner.sim.run import Profiles, simulate_point, unloaded
 from planner.workload_args import build_workload, spec_from_args
 from planner.workloads import TokenSpace, Workload
 
-__all__ = ["SLO_SCALES", "SweepSettings", "simulate_config", "simulate_sweep"]
-
-SLO_SCALES = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
+__all__ = ["SweepSettings", "simulate_config", "simulate_sweep"]
 
 
 @dataclasses.dataclass(frozen=True)
