@@ -7,7 +7,8 @@ SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so an aborted run leaves no orp
 ``ServiceProc`` subclasses name their readiness line (``READY``) and read its fields
 (``_on_ready``); ``wait_ready`` polls the log with a deadline and fails with the process's
 stderr when it exits or never becomes ready. The ready line is read as the launcher reads its
-children's (``kvstore.proc.ReadyLineChild``).
+children's (``kvstore.proc.ReadyLineChild``). ``running(pid)`` and ``descendants(pid)`` tell
+what is left of a process tree once a test stopped it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,32 @@ from typing import ClassVar
 
 from kvstore.proc import ReadyLineChild, die_with_parent
 
-__all__ = ["REPO", "ServiceProc", "spawn"]
+__all__ = ["REPO", "ServiceProc", "spawn", "running", "descendants"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def running(pid: int | str) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now: its children, theirs, and so on."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += kids - out
+            out |= kids
+    return out
 
 
 def spawn(args: list[str], log_dir: Path, env: dict[str, str] | None = None

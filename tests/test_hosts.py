@@ -11,7 +11,7 @@ import sys
 import time
 
 from kvstore.proc import read_line
-from tests.procs import REPO
+from tests.procs import REPO, running
 
 SERVER = ("import socket, sys\n"
           "s = socket.create_server(('0.0.0.0', 7000))\n"
@@ -81,15 +81,7 @@ def test_teardown_leaves_no_namespace_link_or_process(hosts):
     assert not [x for x in links if f" {x}:" in link or f" {x}@" in link]
     assert not os.path.exists(f"/etc/netns/{a.name}")
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+        assert not running(pid), pid
 
 
 def test_a_store_daemon_serves_another_host_over_tcp_and_its_own_over_shm(hosts, tmp_path):
@@ -124,7 +116,7 @@ def test_a_killed_harness_leaves_no_process_and_the_next_one_sweeps_its_namespac
     owner.kill()
     owner.wait()
     deadline = time.monotonic() + 5
-    while any(os.path.exists(f"/proc/{p}") and not _zombie(int(p)) for p in pids):
+    while any(running(p) for p in pids):
         assert time.monotonic() < deadline, "the host's processes outlived their harness"
         time.sleep(0.02)
     assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

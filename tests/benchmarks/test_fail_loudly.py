@@ -17,30 +17,10 @@ import pytest
 from benchmarks import sweep
 from kvstore.proc import free_port
 from tests.benchmarks.fake_openai import FakeOpenAI
+from tests.procs import descendants, running
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)
-
-
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo += kids - out
-            out |= kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sweep_does_not_measure_a_server_it_did_not_start(tmp_path: Path, capsys) -> None:
@@ -88,7 +68,7 @@ def test_compare_stopped_by_sigterm_stops_its_sweep_and_its_cluster(tmp_path: Pa
         time.sleep(1.0)            # the sweep under way
         up_log = (tmp_path / "out" / "disagg" / "up.log").read_text()
         assert "The router is up at" in up_log, up_log
-        started = _descendants(proc.pid)
+        started = descendants(proc.pid)
         assert len(started) >= 6          # kvrouter up, etcd, store, 2 workers, router, the sweep
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
@@ -97,9 +77,9 @@ def test_compare_stopped_by_sigterm_stops_its_sweep_and_its_cluster(tmp_path: Pa
             os.killpg(proc.pid, signal.SIGKILL)
     assert code == 128 + signal.SIGTERM
     deadline = time.monotonic() + 10
-    while [p for p in started if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in started if running(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in started if _alive(p)]
+    assert not [p for p in started if running(p)]
     rec = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert rec["interrupted"] == "interrupted by SIGTERM"
     assert "mixed" not in rec["configs"]["disagg"]["parts"]   # the stopped sweep is no measurement

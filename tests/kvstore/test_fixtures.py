@@ -1,6 +1,5 @@
 """The daemon fixtures themselves: no daemon survives the pytest process that started it."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 import pytest
 
 from tests.kvstore.conftest import SHM_DIR
-from tests.procs import REPO
+from tests.procs import REPO, running
 
 pytestmark = pytest.mark.integration
 
@@ -31,21 +30,13 @@ def test_a_daemon_dies_with_the_pytest_that_started_it(tmp_path):
         runner.send_signal(signal.SIGKILL)  # no teardown runs: only PR_SET_PDEATHSIG is left
         runner.wait()
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+        while running(pid):
             assert time.monotonic() < deadline, f"daemon {pid} outlived its parent"
             time.sleep(0.05)
     finally:
         runner.kill()
         runner.wait()
     (SHM_DIR / arena).unlink(missing_ok=True)  # SIGKILLed: its arena is ours to remove
-
-
-def _zombie(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_etcd_fixture_moves_to_new_ports_when_one_was_taken_before_it_bound(tmp_path):

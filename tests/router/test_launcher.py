@@ -26,6 +26,7 @@ import pytest
 from router.cluster.child import ChildProcess
 from router.cluster.launcher import ClusterSpec, LaunchError, LocalCluster
 from router.cluster.supervisor import Supervisor
+from tests.procs import descendants, running
 from tests.router.cluster_probe import Metrics, wait_until
 
 pytestmark = pytest.mark.integration
@@ -69,31 +70,6 @@ class Lines:
             left = [p for p in left if not re.search(p, self.seen[-1])]
 
 
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for k in map(int, kids):
-                if k not in out:
-                    out.add(k)
-                    todo.append(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_kvrouter_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, free_port) -> None:
     port = free_port()
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
@@ -116,7 +92,7 @@ def test_kvrouter_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Pa
         while snippet[-1] != "EOF":
             snippet.append(out.until(r".*", 5))
         out.until("Ctrl-C stops everything", 5)
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         assert len(children) >= 5                  # etcd, store, 2 workers, router
 
         # The printed commands work as printed.
@@ -158,7 +134,7 @@ def test_kvrouter_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Pa
         done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 0 and json.loads(done.stdout)["usage"]["completion_tokens"] >= 1, done
         assert proc.poll() is None
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -172,7 +148,7 @@ def test_kvrouter_up_serves_and_stops_cleanly(tiny_model_dir: Path, tmp_path: Pa
                if (m := re.search(r"stopped (\S+) \(exit (-?\d+)\)$", line))}
     assert stopped.keys() == {"router", "decode-0", "prefill-0", "store", "etcd"}
     assert all(stopped[name] == "0" for name in ("router", "decode-0", "prefill-0", "store")), stopped
-    assert not [pid for pid in children if _alive(pid)]
+    assert not [pid for pid in children if running(pid)]
     assert not secret_file.exists()          # the secret goes with the cluster
 
 
