@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvstore.proc import die_with_parent
+from kvstore.proc import die_with_parent, signal_group
 
 __all__ = ["Interrupted", "popen", "stop", "kill_pid", "run", "guard", "run_main", "port_in_use"]
 
@@ -51,23 +51,16 @@ def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     return proc
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
     """SIGTERM ``proc``'s group, wait up to ``timeout``, then SIGKILL the group; its exit code."""
     if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    _signal_group(proc, signal.SIGKILL)   # anything its group left behind
+    signal_group(proc.pid, signal.SIGKILL)   # anything its group left behind
     if proc in _started:
         _started.remove(proc)
     return proc.returncode

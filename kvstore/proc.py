@@ -16,6 +16,8 @@ servers as children:
   that merely answers proves nothing: another process may hold it.
 - :func:`read_line`: the next line a child writes to its stdout pipe, within a deadline (its
   ready line, or its answer to a request on its stdin).
+- :func:`signal_group`: a signal to the process group of a child started in a session of its
+  own, whatever it started included.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["free_port", "die_with_parent", "ReadyLineChild", "read_line"]
+__all__ = ["free_port", "die_with_parent", "ReadyLineChild", "read_line", "signal_group"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -40,6 +42,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group ``pid`` leads (a child started with
+    ``start_new_session``: its pgid is its pid); nothing if the group is gone, or is no longer
+    ours to signal (its id taken by another user's process)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.proc import ReadyLineChild, die_with_parent
+from kvstore.proc import ReadyLineChild, die_with_parent, signal_group
 
 __all__ = ["ChildProcess", "port_taken", "parse_cpus"]
 
@@ -107,12 +107,8 @@ class ChildProcess(ReadyLineChild):
             self.member_id = match.group("id")
 
     def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)   # start_new_session: pgid == pid
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            signal_group(self.proc.pid, sig)
 
     def terminate(self) -> None:
         """SIGTERM the group once: a second SIGTERM could reach a worker after its drain, once

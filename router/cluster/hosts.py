@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.proc import die_with_parent
+from kvstore.proc import die_with_parent, signal_group
 
 __all__ = ["Hosts", "Host", "HostsError", "sweep_stale"]
 
@@ -171,7 +171,7 @@ class Host:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
 
@@ -194,10 +194,7 @@ class Host:
     def _stop(self, grace: float) -> None:
         procs = [p for p in self._procs if p.poll() is None]
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
@@ -205,10 +202,7 @@ class Host:
             except subprocess.TimeoutExpired:
                 pass
         for p in self._procs + ([self._init] if self._init else []):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(p.pid, signal.SIGKILL)
         _kill_netns(self.name)  # what left its group (setsid, double fork)
         for p in self._procs + ([self._init] if self._init else []):
             p.wait()
