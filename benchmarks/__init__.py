@@ -37,5 +37,4 @@ flags)::
     .venv/bin/python -m benchmarks.stack_profile    # what the serving stack adds beside the engine: a profile's serving section
     .venv/bin/python -m benchmarks.steadiness       # how far this machine's speed moves: one decode step, timed over and over
     .venv/bin/python -m benchmarks.fleet_sim        # simulated GPU fleets on the Mooncake trace (a simulation)
-    .venv/bin/python -m benchmarks.gpu_check        # every CUDA path and the GPU figures (scripts/gpu_check.sh)
 """

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, on a CUDA machine with no network: a venv over the machine's own torch
 # (--system-site-packages), the wheels scripts/gpu_wheels.sh downloaded into .gpu_wheels/
-# installed offline, then `python -m benchmarks.gpu_check` (every CUDA path and the GPU figures
-# in capped sections, at most 5 minutes; benchmarks/gpu_check/__init__.py lists them).
+# installed offline, then `python -m gpucheck` (every CUDA path and the GPU figures
+# in capped sections, at most 5 minutes; gpucheck/__init__.py lists them).
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--budget S] [--sections ...]   # flags go to the driver
 #   bash scripts/gpu_check.sh --cpu-selftest                              # the same, here, on CPU
@@ -20,7 +20,7 @@ for a in "$@"; do
     if [ "$a" = "-h" ] || [ "$a" = "--help" ]; then
         sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
         echo
-        exec "${PYTHON:-python3}" -m benchmarks.gpu_check --help
+        exec "${PYTHON:-python3}" -m gpucheck --help
     fi
 done
 
@@ -74,4 +74,4 @@ if [ "$INSTALL_ONLY" = 1 ]; then
     exit 0
 fi
 echo "[gpu_check] $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-exec "$PY" -m benchmarks.gpu_check "${OUT_ARGS[@]}" "${ARGS[@]}"
+exec "$PY" -m gpucheck "${OUT_ARGS[@]}" "${ARGS[@]}"

@@ -1,11 +1,11 @@
-"""The GPU check's driver (benchmarks.gpu_check), here without a GPU.
+"""The GPU check's driver (gpucheck), here without a GPU.
 
 The runner's statuses and caps on fake sections (in-process, no torch); then the real driver
 under ``--cpu-selftest`` (tiny sizes on CPU) over the sections that need neither transformers
 nor worker processes, which run in seconds: the CUDA-only ones must say unsupported, the others
 pass, and the report and log must be written. The rest (greedy against transformers, the
 figures against transformers, the disaggregated workers, the profile) take 20 s to minutes
-here; their selftest runs by hand: ``python -m benchmarks.gpu_check --cpu-selftest``. The
+here; their selftest runs by hand: ``python -m gpucheck --cpu-selftest``. The
 ``ucx_cuda`` section runs on its own under the selftest (a child process, ucxx over host
 memory), as does the ``--ucx`` wheel list of scripts/gpu_wheels.sh.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check.runner import Ctx, NotImplementedHook, OutOfTime, Section, Unsupported, run_sections
+from gpucheck.runner import Ctx, NotImplementedHook, OutOfTime, Section, Unsupported, run_sections
 from tests.cli_help import flags_without_help
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_out_of_time_is_raised_only_past_the_deadline(tmp_path):
 
 
 def test_every_flag_has_help():
-    from benchmarks.gpu_check.cli import build_parser
+    from gpucheck.cli import build_parser
 
     assert flags_without_help(build_parser()) == []
 
@@ -145,7 +145,7 @@ def test_the_ucx_wheel_list_is_ucxx_cuda13_closure_and_nothing_else():
     text = (REPO / "scripts" / "gpu_wheels.sh").read_text()
     assert "--ucx) WHEELS=(\"${UCX_WHEELS[@]}\"); DEST=${GPU_WHEELS_DIR:-.gpu_wheels_ucx}" in text
     assert (REPO / ".gitignore").read_text().count("/.gpu_wheels_ucx/") == 1
-    from benchmarks.gpu_check.cli import SECTIONS
+    from gpucheck.cli import SECTIONS
 
     assert SECTIONS.index("ucx_cuda") == SECTIONS.index("cuda_ipc") + 1
 
@@ -153,7 +153,7 @@ def test_the_ucx_wheel_list_is_ucxx_cuda13_closure_and_nothing_else():
 def test_the_ucx_cuda_section_says_how_to_get_ucxx_where_it_is_missing(tmp_path, monkeypatch):
     import sys
 
-    from benchmarks.gpu_check import ucx_cuda
+    from gpucheck import ucx_cuda
 
     with pytest.raises(Unsupported, match="no CUDA"):
         ucx_cuda.run(Ctx(device="cpu", selftest=False, work=tmp_path, out=tmp_path, log_file=None), {})
@@ -166,7 +166,7 @@ def test_the_ucx_cuda_section_says_how_to_get_ucxx_where_it_is_missing(tmp_path,
 def test_the_ucx_cuda_section_moves_seeded_blocks_between_processes_under_the_selftest(tmp_path):
     """The whole protocol on host memory with the CUDA 12 ucxx .venv holds: a child, its
     endpoint to this process's worker, tagged messages, the bit-exact check, the timing."""
-    from benchmarks.gpu_check import ucx_cuda
+    from gpucheck import ucx_cuda
     from kvstore.net import ucx
 
     if ucx.available() is not None:
@@ -183,7 +183,7 @@ def test_the_ucx_cuda_section_moves_seeded_blocks_between_processes_under_the_se
 
 
 def test_the_ucx_cuda_section_reads_the_transports_from_ucxs_protocol_tables():
-    from benchmarks.gpu_check.ucx_cuda import _transports
+    from gpucheck.ucx_cuda import _transports
 
     lines = ["| ucp_context_0 intra-node cfg#0 | tagged message by ucp_tag_send* from host memory |",
              "|                 0 | eager short                                | tcp/lo |",
@@ -240,7 +240,7 @@ def test_every_test_that_uses_cuda_is_marked_gpu():
 
 
 def test_the_profile_hook_runs_kvengine_profile_with_flags_it_takes(tmp_path):
-    from benchmarks.gpu_check.hooks import profile_argv
+    from gpucheck.hooks import profile_argv
     from engine.worker.cli import build_parser
 
     argv = profile_argv(tmp_path / "m", "cuda", tmp_path / "p.json", selftest=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "engine", "router", "planner", "benchmarks")
+PACKAGES = ("kvstore", "engine", "router", "planner", "benchmarks", "gpucheck")
 
 # Cycles known and allowed for now (the modules of one component -> why).
 ALLOWED: dict[frozenset[str], str] = {

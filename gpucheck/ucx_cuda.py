@@ -1,6 +1,6 @@
 """The ``ucx_cuda`` section: UCX's CUDA transports between two processes on one GPU.
 
-A child process (``python -m benchmarks.gpu_check.ucx_cuda``) holds ``BLOCKS`` blocks of the
+A child process (``python -m gpucheck.ucx_cuda``) holds ``BLOCKS`` blocks of the
 default model's KV block size (``ipc.block_bytes()``: SmolLM2-135M, 16 tokens, bfloat16) with
 the seeded contents of ``ipc.blocks()`` in CUDA tensors and sends each as one ucxx tagged
 message into a CUDA tensor of this process: the first batch is checked bit-exact against the
@@ -46,9 +46,9 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.gpu_check.ipc import block_bytes, blocks
-from benchmarks.gpu_check.runner import Ctx, OutOfTime, Unsupported
-from benchmarks.gpu_check.store import REPO
+from gpucheck.ipc import block_bytes, blocks
+from gpucheck.runner import Ctx, OutOfTime, Unsupported
+from gpucheck.store import REPO
 
 __all__ = ["run", "BLOCKS", "SELFTEST_BLOCKS", "REPEATS"]
 
@@ -218,7 +218,7 @@ def run(ctx: Ctx, rec: dict[str, Any]) -> None:
     arrays = [Array(b) for b in _buffers(dst, ctx.cuda)]
 
     context, worker = _worker(lib, ctx.cuda)
-    child = _Child([sys.executable, "-m", "benchmarks.gpu_check.ucx_cuda",
+    child = _Child([sys.executable, "-m", "gpucheck.ucx_cuda",
                     worker.address.tobytes().hex(), str(n), str(size), device,
                     str(round(max(1.0, ctx.left()), 1))], ctx.work / "ucx_cuda_child.err")
     closed: list[Any] = []

@@ -20,9 +20,9 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.gpu_check import models
-from benchmarks.gpu_check.runner import Ctx, OutOfTime, Unsupported
-from benchmarks.gpu_check.store import REPO
+from gpucheck import models
+from gpucheck.runner import Ctx, OutOfTime, Unsupported
+from gpucheck.store import REPO
 
 __all__ = ["run", "BLOCKS", "block_bytes"]
 
@@ -36,7 +36,7 @@ _WRITER = r"""
 import json, sys, time, torch
 from kvstore import Client
 from kvstore.errors import Unsupported
-from benchmarks.gpu_check.ipc import blocks
+from gpucheck.ipc import blocks
 address, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 keys, vals = blocks(n, size)
 src = [v.cuda() for v in vals]

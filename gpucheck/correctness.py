@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check import models
-from benchmarks.gpu_check.runner import Ctx
+from gpucheck import models
+from gpucheck.runner import Ctx
 from tests.engine.hf_oracle import NEAR_TIE, runner_greedy
 
 __all__ = ["env", "triton_kernel", "engine_greedy", "staging", "gpu_tier", "client_cuda",
@@ -209,7 +209,7 @@ def staging(ctx: Ctx, rec: dict[str, Any]) -> None:
     from engine.kv.connector import KVStoreConnector
     from kvstore import Client
 
-    from benchmarks.gpu_check.store import daemon
+    from gpucheck.store import daemon
 
     address = daemon(ctx)
     cache = torch.randn(3, 2, 32, 16, 2, 16, generator=torch.Generator().manual_seed(0)).to(ctx.device)
@@ -277,7 +277,7 @@ def client_cuda(ctx: Ctx, rec: dict[str, Any]) -> None:
     """The client puts and gets tensors of this device through the daemon (shm and TCP)."""
     from kvstore import Client
 
-    from benchmarks.gpu_check.store import daemon
+    from gpucheck.store import daemon
 
     address = daemon(ctx)
     for transport in ("shm", "tcp"):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check.runner import Ctx
+from gpucheck.runner import Ctx
 from engine.model.tiny import _weights
 
 __all__ = ["SHAPES", "tiny", "shaped"]

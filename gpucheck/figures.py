@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check import models
-from benchmarks.gpu_check.correctness import hf_model
-from benchmarks.gpu_check.runner import Ctx
-from benchmarks.gpu_check.store import daemon
+from gpucheck import models
+from gpucheck.correctness import hf_model
+from gpucheck.runner import Ctx
+from gpucheck.store import daemon
 
 __all__ = ["store_load", "decode_tps", "prefill_tps"]
 

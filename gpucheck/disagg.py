@@ -18,9 +18,9 @@ import random
 import threading
 from typing import Any
 
-from benchmarks.gpu_check import models
-from benchmarks.gpu_check.runner import Ctx
-from benchmarks.gpu_check.store import daemon
+from gpucheck import models
+from gpucheck.runner import Ctx
+from gpucheck.store import daemon
 
 __all__ = ["disagg", "BS"]
 

@@ -1,11 +1,11 @@
 """The GPU check: every CUDA path of the project and the GPU figures, in one capped run.
 
     bash scripts/gpu_check.sh [--out DIR]              # on a CUDA machine (offline: .gpu_wheels/)
-    .venv/bin/python -m benchmarks.gpu_check --cpu-selftest --out DIR   # the same driver on CPU
+    .venv/bin/python -m gpucheck --cpu-selftest --out DIR   # the same driver on CPU
     GPU_WHEELS_DIR=.gpu_wheels_ucx bash scripts/gpu_check.sh --sections env ucx_cuda
                                   # UCX's own run (wheels: scripts/gpu_wheels.sh --ucx)
 
-Sections, in order (``--sections``/``--skip`` choose; ``python -m benchmarks.gpu_check --list``):
+Sections, in order (``--sections``/``--skip`` choose; ``python -m gpucheck --list``):
 
 ==============  ====  =============================================================
 section         cap   what it shows
@@ -18,18 +18,18 @@ staging           20  connector loads/saves reuse pinned staging buffers (no all
 gpu_tier          15  the store's GPU tier takes demotions, spills to SSD, serves gets
 client_cuda       15  the client puts/gets CUDA tensors through the daemon (shm, TCP)
 disagg            70  prefill worker -> store -> decode worker == colocated; corrupt and
-                      missing blocks recomputed (benchmarks.gpu_check.disagg)
+                      missing blocks recomputed (gpucheck.disagg)
 store_load        30  124 blocks (87 MiB) into a CUDA paged cache vs CPU verify + one
-                      pinned copy, and the bare pinned copy (benchmarks.gpu_check.figures)
+                      pinned copy, and the bare pinned copy (gpucheck.figures)
 vllm_layout       30  the vLLM connector's saves and staged loads on FlashAttention- and
                       head-major-shaped device caches, bit-exact, vs a bare pinned copy
-                      (benchmarks.gpu_check.vllm_layout)
+                      (gpucheck.vllm_layout)
 decode_tps        50  decode tokens/s at batch 1/32/128, ours vs transformers, bf16
 prefill_tps       30  prefill tokens/s at 512/4096 tokens, ours vs transformers, bf16
-cuda_ipc          30  hook: the CUDA IPC check (benchmarks.gpu_check.hooks)
+cuda_ipc          30  hook: the CUDA IPC check (gpucheck.hooks)
 ucx_cuda          40  124 blocks from CUDA tensors in a child process into this one's as ucxx
                       tagged messages, bit-exact, vs an in-process device copy, and the UCX
-                      transports used (benchmarks.gpu_check.ucx_cuda); ucxx is not in the
+                      transports used (gpucheck.ucx_cuda); ucxx is not in the
                       device image: a run of its own, ``scripts/gpu_wheels.sh --ucx``
 profile          240  hook: ``kvengine profile`` on SmolLM2-, then Llama-3-8B-shaped models,
                       with whatever time the budget has left
@@ -46,5 +46,5 @@ Output (``--out``, default ``results/gpu_check``): ``gpu_check.json`` — ``{"mo
 killed run leaves what it had — and ``gpu_check.log``, the console lines. Exit status 0 when no
 section failed, 1 when one did, 3 when the watchdog ended a hung section. Nothing here is
 downloaded or read from a model hub: checkpoints are generated on the device
-(``benchmarks.gpu_check.models``).
+(``gpucheck.models``).
 """

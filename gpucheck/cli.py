@@ -9,14 +9,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.gpu_check.runner import Ctx, Section, run_sections
+from gpucheck.runner import Ctx, Section, run_sections
 
 __all__ = ["SECTIONS", "build_parser", "main"]
 
 
 def _sections() -> list[Section]:
-    from benchmarks.gpu_check import correctness as c
-    from benchmarks.gpu_check import disagg, figures, hooks, ucx_cuda, vllm_layout
+    from gpucheck import correctness as c
+    from gpucheck import disagg, figures, hooks, ucx_cuda, vllm_layout
 
     def doc(fn) -> str:
         return (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
@@ -52,7 +52,7 @@ SECTIONS = ["env", "triton_kernel", "engine_greedy", "staging", "gpu_tier", "cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
+    p = argparse.ArgumentParser(prog="python -m gpucheck",
                                 description="Check every CUDA path and measure the GPU figures in "
                                 "capped sections; write gpu_check.json and gpu_check.log.")
     p.add_argument("--out", type=Path, default=Path("results/gpu_check"),

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check.runner import Ctx
-from benchmarks.gpu_check.store import daemon
+from gpucheck.runner import Ctx
+from gpucheck.store import daemon
 
 __all__ = ["run"]
 

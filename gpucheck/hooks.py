@@ -1,6 +1,6 @@
 """Hook sections filled in by other modules: the CUDA IPC check, the planner's profile.
 
-- ``cuda_ipc``: runs ``benchmarks.gpu_check.ipc.run(ctx, rec)`` when that module exists (the
+- ``cuda_ipc``: runs ``gpucheck.ipc.run(ctx, rec)`` when that module exists (the
   transports issue adds it: CUDA tensors between two processes through the store without a
   host copy). Until then the section is ``not-implemented``. A machine that cannot map another
   process's CUDA memory (IPC inside some VMs) should raise ``Unsupported`` from there: its own
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_check import models
-from benchmarks.gpu_check.runner import Ctx, NotImplementedHook, OutOfTime
-from benchmarks.gpu_check.store import REPO
+from gpucheck import models
+from gpucheck.runner import Ctx, NotImplementedHook, OutOfTime
+from gpucheck.store import REPO
 
 __all__ = ["cuda_ipc", "profile", "profile_argv"]
 
@@ -31,10 +31,10 @@ LLAMA3_8B_MIN_S = 150.0  # generating, writing and profiling the 8B shape takes 
 
 
 def cuda_ipc(ctx: Ctx, rec: dict[str, Any]) -> None:
-    if importlib.util.find_spec("benchmarks.gpu_check.ipc") is None:
+    if importlib.util.find_spec("gpucheck.ipc") is None:
         raise NotImplementedHook("no CUDA IPC check: "
-                                 "benchmarks/gpu_check/ipc.py is missing with run(ctx, rec)")
-    importlib.import_module("benchmarks.gpu_check.ipc").run(ctx, rec)
+                                 "gpucheck/ipc.py is missing with run(ctx, rec)")
+    importlib.import_module("gpucheck.ipc").run(ctx, rec)
 
 
 def profile_argv(model_dir: Path, device: str, out: Path, selftest: bool) -> list[str]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from benchmarks.gpu_check.runner import Ctx
+from gpucheck.runner import Ctx
 
 __all__ = ["daemon", "REPO"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def daemon(ctx: Ctx) -> str:
