@@ -11,22 +11,43 @@
 - :func:`run` is ``subprocess.run(capture_output=True, text=True)`` on such a child;
 - :func:`port_in_use` tells whether something already listens where a benchmark's server is
   to listen (an earlier run's cluster, left running): then the benchmark must not measure it.
+
+A serving configuration is started the same way by every benchmark that starts one
+(``serving.sweep``'s ``--launch``, ``serving.compare``, ``planner.autoscale_bench``,
+``planner.stack_profile``):
+
+- :class:`Configuration`: an endpoint already running (its URL) or a command that serves one
+  (its port from the command's ``--port``), and the line its output shows once up;
+- :class:`Launched`: that command started through :func:`popen` once its port is free, waited
+  for (``GET /v1/models`` answers, the command still runs, its ready line printed) and stopped;
+- :func:`kvrouter_up`: the ``kvrouter up`` command line those benchmarks launch, with this
+  Python (``-m router.cli up``).
+
+``REPO`` is the repository root, where the benchmarks run their children from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from kvstore.proc import die_with_parent, signal_group
 
-__all__ = ["Interrupted", "popen", "stop", "kill_pid", "run", "guard", "run_main", "port_in_use"]
+__all__ = ["REPO", "Interrupted", "popen", "stop", "kill_pid", "run", "guard", "run_main", "port_in_use",
+           "Configuration", "Launched", "kvrouter_up"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 _started: list[subprocess.Popen] = []
 
@@ -120,3 +141,97 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         return s.connect_ex((host, port)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    name: str
+    url: str | None = None  # an endpoint already running ...
+    command: str | None = None  # ... or a command that starts one
+    ready_pattern: str | None = None  # a line its output must show once up (None: see ready_line)
+
+    def ready_line(self) -> str | None:
+        """The regular expression of the line a launched command prints once up: given, or
+        ``kvrouter up``'s own ("The router is up at URL"), else None."""
+        if self.ready_pattern is not None:
+            return self.ready_pattern
+        argv = shlex.split(self.command or "")
+        if "up" in argv and any(a.endswith("kvrouter") or a == "router.cli" for a in argv):
+            return rf"^The router is up at {re.escape(self.endpoint())}\b"
+        return None
+
+    def port(self) -> int:
+        return int(self.endpoint().rsplit(":", 1)[1].split("/")[0])
+
+    def endpoint(self) -> str:
+        if self.url:
+            return self.url
+        argv = shlex.split(self.command or "")
+        port = "8000"
+        for i, a in enumerate(argv):
+            if a == "--port" and i + 1 < len(argv):
+                port = argv[i + 1]
+            elif a.startswith("--port="):
+                port = a.split("=", 1)[1]
+        return f"http://127.0.0.1:{int(port)}"
+
+
+class Launched:
+    """A configuration's server process, started in its own session (:func:`popen`) once its
+    port is free, stopped with SIGTERM."""
+
+    def __init__(self, config: Configuration, log: TextIO) -> None:
+        self.config = config
+        self.log = log
+        if port_in_use(config.port()):
+            log.close()
+            raise RuntimeError(f"{config.name}: port {config.port()} is already in use before the launch "
+                               "(another server, e.g. an earlier run's cluster left running); not measuring it")
+        self.proc = popen(shlex.split(config.command or ""), stdout=log, stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL)
+
+    def _printed_ready(self) -> bool:
+        pattern = self.config.ready_line()
+        if pattern is None:
+            return True
+        try:
+            text = open(self.log.name, errors="replace").read()
+        except OSError:
+            return False
+        return re.search(pattern, text, re.MULTILINE) is not None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        url = self.config.endpoint() + "/v1/models"
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.config.name}: exited with {self.proc.returncode} before it was "
+                                       f"ready (see {self.log.name})")
+                try:
+                    if self._printed_ready() and client.get(url).status_code == 200 and self.proc.poll() is None:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.config.name}: not ready after {timeout_s:.0f} s (see {self.log.name})")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        return stop(self.proc, timeout_s)
+
+
+def kvrouter_up(model: str, port: int, log_dir: Path | str, store_memory: str, flags: str = "", *,
+                request_log: Path | str | None = None, step_trace_dir: Path | str | None = None) -> str:
+    """``kvrouter up``'s command line (``sys.executable -m router.cli up``): ``model`` served on
+    ``port``, its logs and ``cluster.json`` in ``log_dir``, a store of ``store_memory``, then
+    ``flags`` (the layout); ``request_log``: the router's request log; ``step_trace_dir``: each
+    worker's steps as ``steps-ROLE-PID.jsonl`` there."""
+    command = f"{sys.executable} -m router.cli up --model {model} --port {port}"
+    if request_log is not None:
+        command += f" --request-log {request_log}"
+    command += f" --log-dir {log_dir} --store-memory {store_memory} {flags}"
+    if step_trace_dir is not None:
+        command += f" --worker-arg=--step-trace={step_trace_dir}/steps-{{role}}-{{pid}}.jsonl"
+    return command

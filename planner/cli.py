@@ -6,7 +6,7 @@
 
 ``simulate`` runs ``planner.sim.sweep`` (the sweep's points and objectives, simulated) for each
 ``--config NAME="kvrouter up flags"`` and prints one JSON line in the shape of
-``benchmarks.sweep``'s record; ``--out DIR`` also writes ``simulate.json`` and the sweep's
+``benchmarks.serving.sweep``'s record; ``--out DIR`` also writes ``simulate.json`` and the sweep's
 plots (latency and goodput against rate, attainment against SLO scale). The workload flags are
 the load generator's (``planner.workload_args``), the others ``planner.sweep_args``.
 ``recommend``: ``planner.recommend``.
@@ -31,7 +31,7 @@ __all__ = ["build_parser", "main"]
 
 
 def brief(rec: dict[str, Any]) -> dict[str, Any]:
-    """A configuration's curve, as ``benchmarks.sweep`` prints it."""
+    """A configuration's curve, as ``benchmarks.serving.sweep`` prints it."""
     def point(s: dict[str, Any]) -> dict[str, Any]:
         return {"ttft_p50": summary_stat(s, "ttft_s", "p50"), "ttft_p90": summary_stat(s, "ttft_s", "p90"),
                 "tpot_p50": summary_stat(s, "tpot_s", "p50"), "tpot_p90": summary_stat(s, "tpot_s", "p90"),

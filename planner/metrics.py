@@ -32,7 +32,7 @@ __all__ = [
     "max_rate_meeting", "summary_stat", "SLO_SCALES",
 ]
 
-# The scales of the SLO-scale curve, the measured sweep's (benchmarks.sweep) and the simulated
+# The scales of the SLO-scale curve, the measured sweep's (benchmarks.serving.sweep) and the simulated
 # one's (planner.sim.sweep): one list, so that their curves compare point for point.
 SLO_SCALES = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
 

@@ -5,7 +5,6 @@
   colour per configuration, objectives as grey lines.
 - ``plot_goodput_vs_rate``: goodput (req/s) and SLO attainment against rate, with the 90% line.
 - ``plot_attainment_vs_slo_scale``: DistServe's curve, attainment against a multiple of the SLO.
-- ``plot_chaos_timeline``: completions and failures per second under kills, kills and returns marked.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ import numpy as np  # noqa: E402
 
 from planner.metrics import RequestResult  # noqa: E402
 
-__all__ = ["plot_cdfs", "plot_latency_vs_rate", "plot_goodput_vs_rate", "plot_attainment_vs_slo_scale",
-           "plot_chaos_timeline"]
+__all__ = ["plot_cdfs", "plot_latency_vs_rate", "plot_goodput_vs_rate", "plot_attainment_vs_slo_scale"]
 
 
 def _save(fig: Any, path: Path, title: str) -> None:
@@ -121,30 +119,3 @@ def plot_attainment_vs_slo_scale(curves: Mapping[str, tuple[float, Sequence[floa
     ax.legend(fontsize=8)
     _save(fig, path, title)
 
-
-def plot_chaos_timeline(results: Sequence[Mapping[str, Any]], kills: Sequence[Mapping[str, Any]],
-                        path: Path, title: str) -> None:
-    """Requests ended per second (succeeded, failed, differing) against time, each kill a red
-    line, the moment its capacity was back a green one."""
-    end = max([r["end"] for r in results] + [1.0])
-    bins = np.arange(0, np.ceil(end) + 1)
-    fig, ax = plt.subplots(figsize=(10, 4))
-    series = [("succeeded", [r["end"] for r in results if r["ok"] and not r["differs"]], "tab:blue"),
-              ("differing output", [r["end"] for r in results if r["ok"] and r["differs"]], "tab:orange"),
-              ("failed", [r["end"] for r in results if not r["ok"]], "tab:red")]
-    for label, ends, colour in series:
-        counts, _ = np.histogram(ends, bins)
-        if label == "succeeded" or counts.any():
-            ax.step(bins[:-1], counts, where="post", label=label, color=colour)
-    top = ax.get_ylim()[1]
-    for k in kills:
-        ax.axvline(k["at_s"], color="red", linestyle="--", linewidth=1)
-        ax.text(k["at_s"], top * 0.97, f" kill {k['child']}", color="red", fontsize=8, va="top", rotation=90)
-        if k.get("back_at_s") is not None:
-            ax.axvline(k["back_at_s"], color="green", linestyle=":", linewidth=1)
-            ax.text(k["back_at_s"], top * 0.03, f" back {k['back_s']:.1f} s", color="green", fontsize=8,
-                    va="bottom", rotation=90)
-    ax.set_xlabel("seconds into the load")
-    ax.set_ylabel("requests ended per second")
-    ax.legend(loc="lower right", fontsize=8)
-    _save(fig, path, title)

@@ -9,7 +9,7 @@ over ``--rates`` (``planner.sim.sweep``: the sweep's points and objectives), and
 **goodput per device**: the highest rate at which it still meets the objectives for at least
 ``--attainment`` of its requests (interpolated, ``max_rate_90``), over the devices it uses.
 Objectives are the first candidate's unloaded latency times the multipliers (as
-``benchmarks.compare`` fixes them from its first configuration), or fixed ones.
+``benchmarks.serving.compare`` fixes them from its first configuration), or fixed ones.
 
 Why one loses: at the first rate it misses the target, whether its requests missed the TTFT
 objective or the TPOT one more often (a prefill-bound or a decode-bound shape).

@@ -4,7 +4,7 @@
 ``--{prefix}-{field}`` flag per field of each workload spec (``planner.workloads``: the token
 space's unprefixed, ``--mixed-*``, ``--chat-*``, ``--trace-*``), each with its default and help
 from the spec's dataclass; ``build_workload(args, rate, seed)`` builds the workload they
-describe. ``benchmarks.serve_bench`` / ``benchmarks.sweep`` and ``kvplan simulate`` take the same
+describe. ``benchmarks.serving.serve_bench`` / ``benchmarks.serving.sweep`` and ``kvplan simulate`` take the same
 flags and build the same requests from them, so a simulated point is the measured point's twin.
 """
 

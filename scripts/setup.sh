@@ -34,7 +34,7 @@ if ! .venv/bin/python -c "import ucxx" 2>/dev/null; then
     echo "[setup] installing ucxx (the ucx-cu12 extra)"
     .venv/bin/pip install -q -e ".[ucx-cu12]"
 fi
-# NIXL: the one-sided peer the UCX path is measured against (benchmarks/nixl_peer.py, the
+# NIXL: the one-sided peer the UCX path is measured against (benchmarks/peers/nixl_peer.py, the
 # nixl-cu12 extra); --no-deps keeps the CPU torch.
 if ! .venv/bin/python -c "import nixl_cu12" 2>/dev/null; then
     echo "[setup] installing nixl-cu12 (the benchmarks' one-sided peer)"

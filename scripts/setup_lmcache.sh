@@ -3,7 +3,7 @@
 # fastapi and prometheus_client and adds ~50 packages, so it cannot share .venv. The CPU torch
 # first (an unpinned torch pulls a multi-GB CUDA build), then LMCache, then this project
 # (editable, with its [lmcache] extra). Used only by tests/integrations/test_lmcache.py and
-# benchmarks/lmcache_bench.py. Idempotent: a stamp over its inputs skips a second run.
+# benchmarks/peers/lmcache_bench.py. Idempotent: a stamp over its inputs skips a second run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}

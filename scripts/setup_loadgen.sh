@@ -2,7 +2,7 @@
 # The load generators' environment, .venv-loadgen: GuideLLM 0.8.1 and AIPerf 0.13.0, which pin
 # packages of their own (rich, click, pydantic-settings, ...), so they cannot share .venv; they
 # resolve together here, with vLLM's own router (vllm-router 0.1.17, a Rust binary; the peer of
-# benchmarks/vllm_routing.py). The CPU torch first (GuideLLM requires torch; an unpinned one pulls a
+# benchmarks/serving/vllm_routing.py). The CPU torch first (GuideLLM requires torch; an unpinned one pulls a
 # multi-GB CUDA build). vLLM's own `vllm bench serve` runs from .venv-vllm (scripts/setup_vllm.sh).
 # Used by tests/router/test_load_generators.py. Idempotent: a stamp over its inputs skips a
 # second run.

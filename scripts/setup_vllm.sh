@@ -3,7 +3,7 @@
 # it cannot share .venv. The CPU torch first (an unpinned torch pulls a multi-GB CUDA build),
 # then vLLM, whose CUDA torchvision/torchaudio/torchcodec are removed (they break the imports
 # of vLLM's KV connector modules; vLLM serves text models without them), then this project
-# (editable). Used by tests/integrations/test_vllm*.py, benchmarks/vllm_bench.py and
+# (editable). Used by tests/integrations/test_vllm*.py, benchmarks/serving/vllm_bench.py and
 # `kvrouter up --engine vllm`. Idempotent: a stamp over its inputs skips a second run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -136,7 +136,7 @@ def test_every_flag_in_docs_deployment_exists():
     benchmark's, or those of etcd, useradd, systemctl... in its examples)."""
     import importlib.util
 
-    from benchmarks.store_bench import build_parser as bench_parser
+    from benchmarks.store.store_bench import build_parser as bench_parser
     from engine.worker.cli import build_parser as engine_parser
     from kvstore.daemon.cli import build_parser as store_parser
     from router.cli import build_parser as router_parser

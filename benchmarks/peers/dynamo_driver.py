@@ -1,4 +1,4 @@
-"""NVIDIA Dynamo radix-tree driver for ``benchmarks/router_bench.py --peer dynamo``.
+"""NVIDIA Dynamo radix-tree driver for ``benchmarks/serving/router_bench.py --peer dynamo``.
 
 Runs in Dynamo's own virtual environment (``pip install ai-dynamo-runtime``), never in the
 project's: the project process talks to it over stdin/stdout, one JSON object a line. It

@@ -1,4 +1,4 @@
-"""Mooncake Store driver for ``benchmarks/store_bench.py --peer mooncake``.
+"""Mooncake Store driver for ``benchmarks/store/store_bench.py --peer mooncake``.
 
 Runs in Mooncake's own virtual environment (``mooncake-transfer-engine-non-cuda``), never in
 the project's: the project process only talks to it over stdin/stdout, one JSON object a

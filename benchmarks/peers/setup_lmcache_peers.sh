@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The environment of `python -m benchmarks.lmcache_bench` and its peers, idempotent:
+# The environment of `python -m benchmarks.peers.lmcache_bench` and its peers, idempotent:
 #   - LMCache 0.5.6 (CPU torch 2.13.0), whose `lm://` server (`python -m lmcache.v1.server`)
 #     is one peer: the LMCache environment is reused as it is, never changed (tests use it):
 #     Mooncake would add packages to it;
@@ -85,4 +85,4 @@ print('[lmcache-peers] lmcache', md.version('lmcache'), 'torch', torch.__version
       md.version('mooncake-transfer-engine-non-cuda'), 'kvstore', kvstore.__version__)
 " 2>&1 | grep '^\[lmcache-peers\]'
 [ -x "$venv/bin/mooncake_master" ] || { echo "no mooncake_master in $venv/bin" >&2; exit 1; }
-echo "lmcache peers ready: $venv/bin/python -m benchmarks.lmcache_bench (the default --python)"
+echo "lmcache peers ready: $venv/bin/python -m benchmarks.peers.lmcache_bench (the default --python)"

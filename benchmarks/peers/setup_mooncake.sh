@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mooncake Store for `benchmarks/store_bench.py --peer mooncake`, in its own venv.
+# Mooncake Store for `benchmarks/store/store_bench.py --peer mooncake`, in its own venv.
 # Idempotent. Never touches the project's .venv: Mooncake is not a project dependency.
 #   bash benchmarks/peers/setup_mooncake.sh [VENV_DIR]
 # Default VENV_DIR: ~/.cache/kvcache-store/mooncake-venv (store_bench's default --mooncake-python).

@@ -19,7 +19,7 @@ Spec (``schema_version`` 1). One JSON object, UTF-8. Units everywhere: **seconds
         "store_load": {points: [{blocks, bytes, seconds}], fit},
         "store_save": {points: [{blocks, bytes, seconds}], fit}
       },
-      "serving": optional, absent until ``python -m benchmarks.stack_profile`` adds it:
+      "serving": optional, absent until ``python -m benchmarks.planner.stack_profile`` adds it:
                  {created, how (the stack measured, in words), prompt_tokens, hop_s, step_s,
                   token_s, ttft_measured_s, ttft_simulated_s, prefill_factor, prefill_steps,
                   points: [{batch, prompt_tokens, output_tokens, measured_gap_s, simulated_gap_s}],
@@ -321,7 +321,7 @@ class Profile:
     created: str = ""
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # settings of the run, free-form
-    serving: Serving | None = None  # what the serving stack adds (benchmarks.stack_profile)
+    serving: Serving | None = None  # what the serving stack adds (benchmarks.planner.stack_profile)
 
     def engine_only(self) -> Profile:
         """This profile without its serving section: the engine's own times."""

@@ -19,7 +19,7 @@ Each phase is booked on the router's ``WorkerLoad`` (``assign``; ``prefill_done`
 token; ``release`` at its final line) exactly as ``router.placement.failover.ChoiceRun`` books
 it. Failures, retries and resumes are not simulated.
 
-The client is ``benchmarks.load_client.run_workload``'s: open-loop requests at their
+The client is ``benchmarks.serving.load_client.run_workload``'s: open-loop requests at their
 ``arrival_s``, follow-ups ``delay_s`` after the request they follow finished, nothing sent after
 ``max_duration_s``, whatever is in flight ``grace_s`` later cancelled and failed; the run's
 duration is the last completion (or that deadline). A request's TTFT, ITL and E2E are what

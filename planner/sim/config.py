@@ -3,7 +3,7 @@
 :class:`ClusterConfig` is a fleet (``prefill`` + ``decode`` workers, or ``colocated`` ones), the
 router's mode and prefill policy, each pool's engine settings (:class:`WorkerSpec`) and the
 store's memory. :func:`from_up_flags` reads the flags a ``kvrouter up`` command line takes
-(the ones ``benchmarks.compare`` uses: ``--mode``, ``--prefill``, ``--decode``,
+(the ones ``benchmarks.serving.compare`` uses: ``--mode``, ``--prefill``, ``--decode``,
 ``--threads-per-worker``, ``--store-memory``, ``--policy``, ``--auto-threshold``,
 ``--balance-abs``, ``--balance-rel``, ``--autoscale`` with ``--max-workers``,
 ``--autoscale-interval`` and the router's ``--scale-*`` (``planner.sim.autoscale``; mode

@@ -13,7 +13,7 @@ context) and prefill chunks (``k`` tokens from position ``p``). Its time, from o
 - a mixed step: the decode step of its decodes plus each chunk's marginal prefill time
   ``b*k + c*pairs`` (the decodes ride in the pass the prefill pays for, or the reverse).
 
-With the profile's ``serving`` section (``benchmarks.stack_profile``: what the router, HTTP,
+With the profile's ``serving`` section (``benchmarks.planner.stack_profile``: what the router, HTTP,
 the streaming client, the store and etcd add on the same machine), a step that decodes ``n``
 sequences costs ``serving.step_s + serving.token_s * n`` more, a step's prefill work (its
 chunks, and a prefill-only step's overhead) costs ``serving.prefill_factor`` times the curves'

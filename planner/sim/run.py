@@ -5,9 +5,9 @@ unloaded probes (the sweep's objectives), and the profiles each worker's step co
   with its own thread count (``WorkerSpec.threads``), else the nearest. A CPU worker with one
   thread is not half a worker with two (nor is one with two twice one with one): profile each.
 - :func:`simulate_point`: a fresh cluster, the pre-warm sent untimed (``prewarm_concurrency`` in
-  flight, as ``benchmarks.serve_bench.run_point`` does), then the workload, summarized with
+  flight, as ``benchmarks.serving.serve_bench.run_point`` does), then the workload, summarized with
   ``planner.metrics.summarize``: the same figures the benchmarks print.
-- :func:`unloaded`: ``benchmarks.serve_bench.measure_unloaded``'s probes (one warm-up, then
+- :func:`unloaded`: ``benchmarks.serving.serve_bench.measure_unloaded``'s probes (one warm-up, then
   ``n`` requests of the workload's typical shape one at a time, fresh tokens each; optionally
   as many of the long probe), on a fresh cluster: its medians give the objectives.
 """

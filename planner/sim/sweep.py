@@ -1,4 +1,4 @@
-"""A simulated ``benchmarks.sweep``: the same points, the same objectives, the same record.
+"""A simulated ``benchmarks.serving.sweep``: the same points, the same objectives, the same record.
 
 For each configuration: the unloaded probes (``planner.sim.run.unloaded``) give the objectives
 (``--ttft-slo-mult`` x the unloaded TTFT, per prompt length with ``--ttft-slo-per-length``,
@@ -7,7 +7,7 @@ For each configuration: the unloaded probes (``planner.sim.run.unloaded``) give 
 flags describe at that rate with seed ``1000 * seed + i``, cut to the requests the point has
 time for (``ceil(rate x 0.75 x point_seconds)``), sent for 3/4 of the point and cancelled at
 its end, each point on a fresh cluster with its pre-warm first. The record has the shape of
-``benchmarks.sweep``'s per-configuration results (``unloaded``, ``slo``, ``max_rate_90``,
+``benchmarks.serving.sweep``'s per-configuration results (``unloaded``, ``slo``, ``max_rate_90``,
 ``points`` with ``summary``), so the same reports read both.
 """
 

@@ -21,7 +21,7 @@ process starts), then stops or starts. The colocated state (no prefill worker: t
 - ``LOG_DIR/autoscale.jsonl`` is its timeline: a ``"signals"`` line every round (layout,
   each pool's pressure, desired count, predicted TTFT, ITL, KV use) and an ``"action"`` line
   for each action (what, which worker, from and to, seconds, the layouts around it);
-  ``benchmarks.autoscale_bench`` plots it.
+  ``benchmarks.planner.autoscale_bench`` plots it.
 - A lever that fails is a console line and the next round tries again; the autoscaler's own
   stops are deliberate, so the supervisor leaves them stopped.
 """

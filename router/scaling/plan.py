@@ -11,7 +11,7 @@ layout to aim for within ``max_workers``:
   but not while the decode pressure is the higher one: both pools short and the decodes more
   so is a cluster over its capacity for decodes (requests wait for KV room, and a waiting
   request reads as queued prefill), which a split makes worse by taking a decode worker (it
-  stays colocated; measured in ``benchmarks/autoscale_bench.py``: a split at 19 s into its
+  stays colocated; measured in ``benchmarks/planner/autoscale_bench.py``: a split at 19 s into its
   decode-heavy half cost the autoscaled cluster 0.64x the best static layout). In the
   colocated state the prefill pressure reaches the decode pressure exactly when prefill's
   share of the workers' time explains the decodes' stalls (``policy.pressures``), so a tie

@@ -1,4 +1,4 @@
-"""benchmarks/autoscale_bench.py without clusters (a real run starts five of them for minutes;
+"""benchmarks/planner/autoscale_bench.py without clusters (a real run starts five of them for minutes;
 the mechanics it measures are tests/router/test_autoscale.py's): the workload turns from
 decode-heavy to prefill-heavy at the half, seeded; the autoscaled cluster's router gets its
 objectives from the SLOs; the verdict compares against the best static configuration; the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe, read_timeline,
+from benchmarks.planner.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe, read_timeline,
                                         shifting_workload, slots, up_flags, verdict)
 from planner.workloads import TokenSpace
 from tests.benchmarks.fake_openai import FakeOpenAI
@@ -123,7 +123,7 @@ def test_timeline_and_plot(tmp_path: Path) -> None:
 def test_profiles_put_the_simulators_prediction_beside_each_configuration(tmp_path: Path) -> None:
     # --profile: every configuration simulated from its own flags on the measured workload and
     # objectives (here a synthetic profile's; the real run's are measured).
-    from benchmarks.autoscale_bench import simulate
+    from benchmarks.planner.autoscale_bench import simulate
     from engine.profile import format as pf
     from planner.metrics import Slo
     from tests.planner.test_sim import profile

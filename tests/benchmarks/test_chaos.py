@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def test_bounded_chaos_run_loses_no_request_and_changes_no_output(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.chaos_bench", "--out", str(tmp_path), "--duration", "22",
+        [sys.executable, "-m", "benchmarks.chaos.chaos_bench", "--out", str(tmp_path), "--duration", "22",
          "--first-kill-at", "3", "--kill-every", "5", "--settle", "30", "--prompts", "8"],
         cwd=REPO, capture_output=True, text=True, env=env, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]

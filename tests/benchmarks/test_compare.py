@@ -1,8 +1,8 @@
-"""benchmarks.compare: the router-log figures and the per-run plan (no processes started)."""
+"""benchmarks.serving.compare: the router-log figures and the per-run plan (no processes started)."""
 
 import pytest
 
-from benchmarks.compare import CONFIGS, build_parser, build_plan, log_stats, parts, probe_requests
+from benchmarks.serving.compare import CONFIGS, build_parser, build_plan, log_stats, parts, probe_requests
 
 
 def _record(prompt, out, phases, kv=(0, 0), first=1.0):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import sweep
+from benchmarks.serving import sweep
 from kvstore.proc import free_port
 from tests.benchmarks.fake_openai import FakeOpenAI
 from tests.procs import descendants, running
@@ -38,7 +38,7 @@ def test_sweep_does_not_measure_a_server_it_did_not_start(tmp_path: Path, capsys
 def test_compare_reports_a_configuration_that_did_not_start_as_an_error(tmp_path: Path) -> None:
     with FakeOpenAI(ttft_s=0.01, tpot_s=0.001) as other:
         port = other.url.rsplit(":", 1)[1]
-        done = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--quick", "--configs", "disagg",
+        done = subprocess.run([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
                                "--port", port, "--out", str(tmp_path)],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert other.received == []
@@ -53,7 +53,7 @@ def test_compare_stopped_by_sigterm_stops_its_sweep_and_its_cluster(tmp_path: Pa
 
     model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", "--quick", "--configs", "disagg",
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
                              "--model", str(model), "--mixed-extra", "--vocab-size 500", "--port", str(free_port()),
                              "--out", str(tmp_path / "out")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,

@@ -1,4 +1,4 @@
-"""``benchmarks.interference_bench``: its arithmetic (ITL from token times, percentiles, ratios,
+"""``benchmarks.serving.interference_bench``: its arithmetic (ITL from token times, percentiles, ratios,
 the excess cut, the met flags), and one ``--quick`` run on the tiny model against a real
 ``kvstore serve`` on this host."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import interference_bench as ib
+from benchmarks.serving import interference_bench as ib
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,7 @@ def test_odd_arrivals_are_refused():
 
 @pytest.mark.integration
 def test_quick_run_loads_from_the_store_in_old_and_new_and_hits_the_device_in_baseline(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "benchmarks.interference_bench", "--quick",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serving.interference_bench", "--quick",
                         "--out", str(tmp_path), "--no-progress"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -151,7 +151,7 @@ def test_quick_run_loads_from_the_store_in_old_and_new_and_hits_the_device_in_ba
     assert res["all_met"] == all(res["met"].values())
 
     # --report re-prints (and re-plots) a saved run without running anything
-    rep = subprocess.run([sys.executable, "-m", "benchmarks.interference_bench", "--report",
+    rep = subprocess.run([sys.executable, "-m", "benchmarks.serving.interference_bench", "--report",
                           str(tmp_path / "interference.json"), "--out", str(tmp_path / "again")],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert rep.returncode == 0, rep.stderr[-3000:]

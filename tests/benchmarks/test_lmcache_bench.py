@@ -1,4 +1,4 @@
-"""benchmarks/lmcache_bench.py: its figures from samples (no LMCache needed), and one real run of
+"""benchmarks/peers/lmcache_bench.py: its figures from samples (no LMCache needed), and one real run of
 one configuration (our plugin over shared memory, 256 tokens, ~11 s) in the bench environment
 that benchmarks/peers/setup_lmcache_peers.sh makes, or else in .venv-lmcache (scripts/setup.sh),
 skipped where neither exists."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import lmcache_bench as lb
+from benchmarks.peers import lmcache_bench as lb
 
 REPO = Path(__file__).resolve().parents[2]
 # The bench environment when set up, else the LMCache tests' one (our plugin needs no Mooncake).
@@ -64,7 +64,7 @@ def test_bounded_pools_are_written_once_before_the_timed_rounds() -> None:
 @pytest.mark.skipif(not PYTHON.exists(), reason=f"no LMCache environment at {PYTHON} "
                     "(bash scripts/setup_lmcache.sh)")
 def test_one_configuration_runs_end_to_end(tmp_path: Path) -> None:
-    r = subprocess.run([str(PYTHON), "-m", "benchmarks.lmcache_bench", "--configs", "kvstore_shm", "--prompts",
+    r = subprocess.run([str(PYTHON), "-m", "benchmarks.peers.lmcache_bench", "--configs", "kvstore_shm", "--prompts",
                         "256", "--rounds", "1", "--cold", "--json", "-", "--no-progress", "--log-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.router_bench import build_workload, make_index, make_workers
+from benchmarks.serving.router_bench import build_workload, make_index, make_workers
 from router.placement.cost import estimate_prefill
 from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 
@@ -18,14 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.router_bench", "--quick", "--out", str(tmp_path),
+        [sys.executable, "-m", "benchmarks.serving.router_bench", "--quick", "--out", str(tmp_path),
          "--sizes", "200", "600", "--prompts", "256", "512", "--queries", "20", "--rounds", "2"],
         capture_output=True, text=True, timeout=120, check=True, cwd=REPO)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
     res = json.loads(lines[0])
     assert res["bench"] == "router" and res["workers"] == 8 and res["block_size"] == 16
-    assert res["machine"]["cpus"] >= 1 and res["machine"]["platform"]
+    assert res["machine"]["cpu_count"] >= 1 and res["machine"]["platform"]
     assert res["peer"] is None
     assert res["index_table"] == "native" or res["index_table"].startswith("python (")
     assert [(c["index_blocks"], c["prompt_tokens"]) for c in res["cells"]] == [
@@ -96,7 +96,7 @@ def _cell(size: int, lookup: float, decision: float, dyn: float) -> dict:
 
 
 def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path) -> None:
-    from benchmarks.router_report import median_cells, table, targets
+    from benchmarks.serving.router_report import median_cells, table, targets
 
     runs = [{"cells": [_cell(1000, lk, dec, 10.0)], "target": {}}
             for lk, dec in ((5.0, 11.0), (20.0, 13.0), (6.0, 12.0))]   # one disturbed run
@@ -111,7 +111,7 @@ def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path) 
     assert "| 1,000 | 512 | 6.00 | 12.00 |" in table([cell])
     for i, run in enumerate(runs):
         (tmp_path / f"run{i}.json").write_text(json.dumps(run))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.router_report", "--from",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serving.router_report", "--from",
                           *(str(tmp_path / f"run{i}.json") for i in range(3))],
                          capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
     res = json.loads(out.stdout)

@@ -20,7 +20,7 @@ def test_throughput_against_a_commit_reports_both_sides(tmp_path: Path) -> None:
     from engine.model.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
-    out = subprocess.run([sys.executable, "-m", "benchmarks.save_overlap_bench", "--throughput",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.store.save_overlap_bench", "--throughput",
                           "--against", "HEAD", "--model", str(model), "--blocks", "16",
                           "--reps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

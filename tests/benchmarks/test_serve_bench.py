@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from benchmarks import serve_bench
-from benchmarks.load_client import ClientConfig, run_workload
+from benchmarks.serving import serve_bench
+from benchmarks.serving.load_client import ClientConfig, run_workload
 from planner.metrics import Slo, summarize
 from planner.workloads import BenchRequest
 from tests.benchmarks.fake_openai import DROP, FAIL_500, SILENT, FakeOpenAI

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import sim_fidelity as fid
+from benchmarks.planner import sim_fidelity as fid
 
 
 def test_a_prediction_is_ok_within_15_percent_or_inside_the_repeats_spread() -> None:
@@ -55,7 +55,7 @@ def test_the_table_lists_judged_points_and_rates() -> None:
 
 
 def test_recommend_check_gives_the_planner_the_sweeps_workload_and_compares_budget() -> None:
-    from benchmarks import recommend_check as rc
+    from benchmarks.planner import recommend_check as rc
 
     argv = ["--config", "colo_nochunk=http://127.0.0.1:1", "--out", "x", "--no-progress", "--workload", "trace",
             "--rates", "0.1,0.3,0.5", "--point-seconds", "40", "--ttft-slo-per-length",
@@ -67,7 +67,7 @@ def test_recommend_check_gives_the_planner_the_sweeps_workload_and_compares_budg
 
 
 def test_recommend_check_scores_as_the_planner_ranks_and_calls_noise_ok() -> None:
-    from benchmarks import recommend_check as rc
+    from benchmarks.planner import recommend_check as rc
 
     def pts(*att: float) -> list[dict]:
         return [{"rate": r, "summary": {"attainment": a}} for r, a in zip((0.1, 0.3, 0.5), att)]

@@ -1,4 +1,4 @@
-"""``benchmarks.steadiness``: its summary arithmetic, and a short real run on the tiny model."""
+"""``benchmarks.planner.steadiness``: its summary arithmetic, and a short real run on the tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import steadiness
+from benchmarks.planner import steadiness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_a_short_run_on_the_tiny_model(tmp_path: Path) -> None:
     from engine.model.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.steadiness", "--model", str(model), "--cpus", "0",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner.steadiness", "--model", str(model), "--cpus", "0",
                            "--blocks", "2", "--block-seconds", "0.2", "--batches", "1,2", "--context", "32",
                            "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

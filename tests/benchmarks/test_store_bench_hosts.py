@@ -1,4 +1,4 @@
-"""``python -m benchmarks.store_bench --hosts 2`` at a tiny size: the daemon on one host of the
+"""``python -m benchmarks.store.store_bench --hosts 2`` at a tiny size: the daemon on one host of the
 harness, the client on the other, over the veth link; one JSON line with a get and a put
 ratio per case and the handoff. Skips only where namespaces cannot be made (fails under
 CI=true, like the hosts fixture)."""
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 def test_hosts_2_one_json_line_with_ratios_over_the_link(hosts, tmp_path):
     hosts(1).close()  # the fixture's check: skip (or fail under CI=true) without namespaces
-    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--hosts", "2",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store.store_bench", "--hosts", "2",
                         "--quick", "--iters", "1", "--memory", "192M",
                         "--max-batch-bytes", str(2 << 20), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -45,7 +45,7 @@ def test_hosts_2_one_json_line_with_ratios_over_the_link(hosts, tmp_path):
 
 
 def test_tls_and_no_handoff_need_hosts(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--tls",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store.store_bench", "--tls",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=60,
                        cwd=REPO)
     assert r.returncode != 0 and r.stdout == "" and "--hosts 2" in r.stderr
@@ -53,7 +53,7 @@ def test_tls_and_no_handoff_need_hosts(tmp_path):
 
 def test_hosts_2_tls_against_a_plain_and_a_tls_raw_socket(hosts, tmp_path):
     hosts(1).close()
-    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--hosts", "2", "--tls",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store.store_bench", "--hosts", "2", "--tls",
                         "--no-handoff", "--quick", "--iters", "1", "--memory", "64M",
                         "--max-batch-bytes", str(1 << 20), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -69,13 +69,13 @@ def test_hosts_2_ucx_against_our_tcp_a_raw_socket_and_nixl(hosts, tmp_path):
     """``--transport ucx``: the timed client moves blocks over UCX, a TCP client and the raw
     socket beside it, and NIXL's one-sided READs and WRITEs of the same bytes between the same
     hosts (set-up installs nixl-cu12), each with its server's CPU-seconds per GB."""
-    from benchmarks import nixl_peer
+    from benchmarks.peers import nixl_peer
     from kvstore.net import ucx
 
     if ucx.available() is not None or nixl_peer.available() is not None:
         pytest.skip(f"needs ucxx and nixl-cu12: {ucx.available() or nixl_peer.available()}")
     hosts(1).close()
-    r = subprocess.run([sys.executable, "-m", "benchmarks.store_bench", "--hosts", "2",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.store.store_bench", "--hosts", "2",
                         "--transport", "ucx", "--no-handoff", "--quick", "--iters", "1",
                         "--memory", "64M", "--max-batch-bytes", str(1 << 20), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)

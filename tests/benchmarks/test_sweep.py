@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from benchmarks import sweep
+from benchmarks import lifecycle
+from benchmarks.serving import sweep
 from kvstore.proc import free_port
 from tests.benchmarks.fake_openai import FakeOpenAI
 
@@ -26,9 +27,9 @@ def test_max_rate_meeting_90_percent():
 
 
 def test_endpoint_of_a_launched_configuration():
-    assert sweep.Configuration("a", command="kvrouter up --port 8123").endpoint() == "http://127.0.0.1:8123"
-    assert sweep.Configuration("a", command="kvrouter up --port=9000").endpoint() == "http://127.0.0.1:9000"
-    assert sweep.Configuration("a", command="kvrouter up").endpoint() == "http://127.0.0.1:8000"
+    assert lifecycle.Configuration("a", command="kvrouter up --port 8123").endpoint() == "http://127.0.0.1:8123"
+    assert lifecycle.Configuration("a", command="kvrouter up --port=9000").endpoint() == "http://127.0.0.1:9000"
+    assert lifecycle.Configuration("a", command="kvrouter up").endpoint() == "http://127.0.0.1:8000"
 
 
 def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_path, capsys):

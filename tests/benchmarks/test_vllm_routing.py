@@ -1,4 +1,4 @@
-"""``benchmarks.vllm_routing``'s arithmetic without vLLM: the counters read from a Prometheus
+"""``benchmarks.serving.vllm_routing``'s arithmetic without vLLM: the counters read from a Prometheus
 page, a run's cache figures from two reads, the table over repeats and its "ahead" verdicts,
 and the ZMQ bridges it puts in front of vllm-router (a real publisher and replay socket)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from benchmarks.vllm_routing import COUNTERS, bridge_events, bridge_replay, delta, prometheus_sums, summarize_runs
+from benchmarks.serving.vllm_routing import COUNTERS, bridge_events, bridge_replay, delta, prometheus_sums, summarize_runs
 
 PAGE = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter

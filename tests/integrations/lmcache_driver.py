@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-from benchmarks.lmcache_engine import LMCacheRig
+from benchmarks.peers.lmcache_engine import LMCacheRig
 from kvstore.integrations.lmcache_plugin import KVStorePlugin
 
 CHUNK = 256

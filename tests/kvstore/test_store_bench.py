@@ -1,4 +1,4 @@
-"""``python -m benchmarks.store_bench`` as a user runs it (from the repository root): a tiny run, and --peer mooncake's clear failure."""
+"""``python -m benchmarks.store.store_bench`` as a user runs it (from the repository root): a tiny run, and --peer mooncake's clear failure."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = ["-m", "benchmarks.store_bench"]
+BENCH = ["-m", "benchmarks.store.store_bench"]
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_tls_goes_with_hosts_and_ucx_without_tls(tmp_path):
 
 
 def test_a_ucx_row_has_ratios_to_tcp_and_cpu_per_gb():
-    from benchmarks.store_hosts import _row
+    from benchmarks.store.store_hosts import _row
 
     t = {"get": [0.5, 0.25], "raw_get": [0.2, 0.2], "tcp_get": [0.5, 0.5],
          "put": [1.0, 1.0], "raw_put": [0.5, 0.5], "tcp_put": [0.5, 0.5]}
@@ -64,7 +64,7 @@ def test_a_case_times_a_ucx_client_beside_tcp(ucx_daemon):
     """One tiny case of the single-host run with --transport ucx's client (not a measurement)."""
     import numpy as np
 
-    from benchmarks.store_bench import RawSocket, run_case
+    from benchmarks.store.store_bench import RawSocket, run_case
     from kvstore import Client
 
     raw = RawSocket(64 << 10)
@@ -81,7 +81,7 @@ def test_a_case_times_a_ucx_client_beside_tcp(ucx_daemon):
 def test_the_hosts_client_with_ucx_reports_tcp_ratios_and_cpu(ucx_daemon, free_port):
     """store_bench --hosts 2 --transport ucx's client role, run here on one host against a
     UCX daemon and a raw server (one tiny case, not a measurement)."""
-    from benchmarks import store_hosts
+    from benchmarks.store import store_hosts
 
     port = free_port()
     raw = subprocess.Popen([sys.executable, "-c", store_hosts._ROLE, "raw-server", str(port),
