@@ -1,4 +1,5 @@
-"""Fixtures that run real store daemons (``python -m kvstore.daemon.cli serve``) as subprocesses.
+"""Fixtures that run real store daemons (``python -m kvstore.daemon.cli serve``) as subprocesses
+(a plugin of the root ``conftest.py``: every test package may use them).
 
 - ``start_daemon(*args, memory="64M", ...)``: start one daemon on a free port and wait (with a
   deadline) for its readiness line; returns a ``DaemonProc``. Every daemon a test started is

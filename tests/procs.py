@@ -8,7 +8,8 @@ SIGKILL when pytest dies (``PR_SET_PDEATHSIG``), so an aborted run leaves no orp
 (``_on_ready``); ``wait_ready`` polls the log with a deadline and fails with the process's
 stderr when it exits or never becomes ready. The ready line is read as the launcher reads its
 children's (``kvstore.proc.ReadyLineChild``). ``running(pid)`` and ``descendants(pid)`` tell
-what is left of a process tree once a test stopped it.
+what is left of a process tree once a test stopped it. ``procs`` (a fixture) starts and
+tracks the processes a test runs itself.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Iterator
+
+import pytest
 
 from kvstore.proc import ReadyLineChild, die_with_parent
 
-__all__ = ["REPO", "ServiceProc", "spawn", "running", "descendants"]
+__all__ = ["REPO", "ServiceProc", "spawn", "running", "descendants", "Processes", "procs", "module_procs"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,3 +133,54 @@ class ServiceProc(ReadyLineChild):
 
     def _after_exit(self) -> None:
         """What a subclass cleans up once the process is gone."""
+
+
+class Processes:
+    """The ``procs`` fixture: the processes one test starts itself (a CLI run, a command's
+    server), each killed at the end of the test if it still runs. A test that starts a
+    process asks for it, which also puts the test in the ``integration`` tier
+    (``tests/conftest.py``)."""
+
+    def __init__(self) -> None:
+        self._started: list[subprocess.Popen] = []
+
+    def popen(self, args: list[str], **kw) -> subprocess.Popen:
+        """``subprocess.Popen(args, **kw)``, in the repository unless ``cwd`` says otherwise."""
+        kw.setdefault("cwd", REPO)
+        proc = subprocess.Popen(args, **kw)
+        self._started.append(proc)
+        return proc
+
+    def run(self, args: list[str], timeout: float = 120.0, **kw) -> subprocess.CompletedProcess:
+        """``subprocess.run(args, timeout=timeout, **kw)``, in the repository unless ``cwd``
+        says otherwise; text output captured unless told otherwise."""
+        kw.setdefault("cwd", REPO)
+        if "stdout" not in kw and "stderr" not in kw:
+            kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(args, timeout=timeout, **kw)
+
+    def close(self) -> None:
+        for proc in self._started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    p = Processes()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def module_procs() -> Iterator[Processes]:
+    """``procs`` for a module-scoped fixture (its processes live as long as the module's tests)."""
+    p = Processes()
+    try:
+        yield p
+    finally:
+        p.close()

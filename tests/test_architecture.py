@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_import_contracts_hold() -> None:
     proc = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
                            "lint_imports_command()", "--no-cache"],
@@ -32,6 +35,7 @@ def test_import_contracts_are_not_vacuous() -> None:
     assert not any(c.get("ignore_imports") for c in contracts), "contracts hold without ignore rules"
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_router_does_not_import_torch() -> None:
     code = (
         "import sys, router, router.http.app, router.placement.orchestrator, router.workers.pool, "

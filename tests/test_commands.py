@@ -35,6 +35,7 @@ def test_every_flag_of_every_subcommand_has_help(command):
         assert "--help" in sub.format_help()
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 @pytest.mark.parametrize("command", COMMANDS)
 def test_version(command):
     from importlib.metadata import version
@@ -58,6 +59,7 @@ def test_flags_without_help_finds_them():
     assert flags_without_help(p) == ["x run (the subcommand)", "x run --bare", "x run target"]
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 @pytest.mark.parametrize("command", ["stats", "bench"])
 def test_kvstore_timeout_bounds_a_silent_daemon(command):
     # A listener that never answers the handshake: --timeout, not the 5 s default, ends the wait.

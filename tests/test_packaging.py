@@ -54,15 +54,17 @@ def test_the_checkers_come_with_the_test_extra():
 
 
 def test_one_version_everywhere():
+    from importlib.metadata import version
+
     import engine
     import kvstore
     import router
-    from importlib.metadata import version
 
     assert kvstore.__version__ == engine.__version__ == router.__version__ == version("kvcache-store")
     assert kvstore.__version__ == PROJECT["version"]
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_wheel_installs_without_deps_and_imports(tmp_path):
     wheels, target = tmp_path / "wheels", tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",

@@ -39,7 +39,7 @@ def _render(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def rendered(tmp_path: Path) -> Path:
+def rendered(tmp_path: Path, procs) -> Path:
     r = _render(tmp_path, "--prefix", sys.prefix)
     assert r.returncode == 0, r.stderr
     return tmp_path
@@ -60,6 +60,7 @@ def test_rendered_units_pass_systemd_analyze_verify(rendered: Path):
         assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), (name, r.stdout + r.stderr)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_verify_catches_a_missing_binary(tmp_path: Path):
     analyze = _need_analyze()
     prefix = tmp_path / "venv"
@@ -89,6 +90,7 @@ def test_units_keep_their_hardening(rendered: Path):
             assert f"\n{line}\n" in text, (name, line)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_prefix_under_home_is_read_only_not_hidden(tmp_path: Path):
     r = _render(tmp_path, "--prefix", "/home/someone/venv", "--no-check", "--user", "svc")
     assert r.returncode == 0, r.stderr

@@ -16,7 +16,6 @@ from kvstore.client.scatter import scatter_kernel
 from kvstore import Client
 from kvstore.keys import block_keys, namespace_id
 from kvstore.node.arena import Arena
-from tests.kvstore.conftest import shared_daemon  # noqa: F401  (the fixture: one real daemon)
 
 L, BS, H, D, NB = 4, 4, 2, 16, 24
 

@@ -24,7 +24,7 @@ from kvstore.keys import BlockKey, block_keys, salted
 
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 from tests.engine.worker_procs import generate, greedy, metric, start_worker, wait_until
-from tests.kvstore.conftest import DaemonFactory
+from tests.daemons import DaemonFactory
 
 pytestmark = pytest.mark.integration
 

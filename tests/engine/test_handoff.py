@@ -14,7 +14,6 @@ from engine.kv.connector import KVStoreConnector
 from kvstore.client.cluster import ClusterClient
 from kvstore.keys import block_keys, namespace_id
 from tests.engine.test_connector import BS, NB, make_cache
-from tests.kvstore.conftest import start_daemon  # noqa: F401  (the fixture: real daemons)
 
 pytestmark = pytest.mark.integration
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 # engine.model and engine.core know nothing of HTTP or etcd (pyproject.toml's contract).
 _HTTP_OR_ETCD = ("httpx", "aiohttp", "fastapi", "starlette", "uvicorn", "router",
                  "kvstore.coord", "kvstore.daemon", "kvstore.client", "kvstore.net", "engine.kv",
                  "engine.worker")
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_model_and_core_load_nothing_of_http_or_etcd() -> None:
     code = (
         "import sys, engine.model.runner, engine.model.convert, engine.core.llm_engine\n"

@@ -4,7 +4,6 @@ the profile format's load/save/evaluate."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,13 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+def run(tmp_path_factory: pytest.TempPathFactory, module_procs) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("profile")
     out, plots = tmp / "profile.json", tmp / "plots"
-    proc = subprocess.run(
+    proc = module_procs.run(
         [sys.executable, "-m", "engine.worker.cli", "profile", "--tiny", "--quick", "--threads", "1",
-         "--seed", "3", "--out", str(out), "--plots", str(plots)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+         "--seed", "3", "--out", str(out), "--plots", str(plots)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, plots, proc.stdout
 

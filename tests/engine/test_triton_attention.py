@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -140,10 +139,10 @@ def run_cases(device: str = "cpu") -> dict:
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict:
+def interpreted(module_procs) -> dict:
     code = "import json, tests.engine.test_triton_attention as t; print(json.dumps(t.run_cases()))"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=240)
+    r = module_procs.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.kvstore.conftest import DaemonFactory
+from tests.daemons import DaemonFactory
 
 pytestmark = pytest.mark.integration
 

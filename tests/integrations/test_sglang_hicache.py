@@ -34,7 +34,7 @@ from kvstore import Client
 from kvstore.client.cluster import ClusterClient
 from kvstore.net import protocol as P
 from kvstore.proc import die_with_parent
-from tests.kvstore.conftest import DaemonFactory, DaemonProc
+from tests.daemons import DaemonFactory, DaemonProc
 from tests.procs import REPO
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,6 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
 
 import pytest
 import torch
@@ -21,22 +20,17 @@ from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec, for_rank, request_namespace
 from kvstore.integrations.vllm.transfers import Transfers
 from kvstore.keys import block_keys, namespace_id
-from tests.kvstore.conftest import DaemonFactory
 
 SECRET = "vllm-parts-secret"
 NS = namespace_id({"test": "vllm-parts"})
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[StoreSettings]:
-    factory = DaemonFactory(tmp_path / "daemons")
+def store(tmp_path: Path, start_daemon) -> StoreSettings:
     secret = tmp_path / "secret"
     secret.write_text(SECRET)
-    try:
-        d = factory(memory="64M", env={"KVCACHE_CLUSTER_SECRET": SECRET})
-        yield StoreSettings(address=d.address, secret_file=str(secret), timeout=2.0)
-    finally:
-        factory.close()
+    d = start_daemon(memory="64M", env={"KVCACHE_CLUSTER_SECRET": SECRET})
+    return StoreSettings(address=d.address, secret_file=str(secret), timeout=2.0)
 
 
 def cpu_caches(num_blocks: int = 12, layers: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ def test_attach_shares_bytes_and_only_the_owner_unlinks():
     assert not os.path.exists(path)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_a_client_process_exiting_does_not_unlink_the_arena():
     with Arena.create(1 << 16) as owner:
         code = (
@@ -59,6 +60,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_stale_arenas_of_dead_owners_are_removed_and_nothing_else(tmp_path):
     dead = _dead_pid()
     names = {
@@ -80,6 +82,7 @@ def test_stale_arenas_of_dead_owners_are_removed_and_nothing_else(tmp_path):
     assert remove_stale_arenas(str(tmp_path)) == [names["dead_but_locked"]]  # lock released
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_a_reused_pid_does_not_keep_an_arena_alive():
     assert _owner_alive(os.getpid(), created=time.time())
     assert not _owner_alive(os.getpid(), created=0.0)  # this process started after 1970
@@ -98,6 +101,7 @@ def test_a_live_owner_holds_its_arena_locked_until_close():
     assert not os.path.exists(os.path.join(SHM_DIR, a.name))
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_a_killed_owner_leaves_an_arena_that_the_sweep_removes():
     code = ("import os, signal, sys; from kvstore.node.arena import Arena\n"
             "a = Arena.create(1 << 16); print(a.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")

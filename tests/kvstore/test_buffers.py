@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from kvstore.net.buffers import Dest, source_bytes
@@ -34,6 +35,7 @@ def test_cpu_tensors_are_used_in_place():
     assert torch.equal(dst, src)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_buffers_work_without_torch_loaded():
     code = ("import sys, numpy as np\n"
             "from kvstore.net.buffers import Dest, source_bytes\n"

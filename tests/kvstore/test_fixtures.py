@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.kvstore.conftest import SHM_DIR
+from tests.daemons import SHM_DIR
 from tests.procs import REPO, running
 
 pytestmark = pytest.mark.integration
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 START_AND_HANG = """
 import sys, time
 from pathlib import Path
-from tests.kvstore.conftest import DaemonFactory
+from tests.daemons import DaemonFactory
 d = DaemonFactory(Path(sys.argv[1]))()
 print(d.proc.pid, d.arena, flush=True)
 time.sleep(120)

@@ -63,6 +63,7 @@ def test_bad_input():
         block_keys(ns, [1, 2], 0)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_keys_identical_across_processes_with_different_hash_seeds():
     code = (
         "from kvstore.keys import *; ns = salted(namespace_id({'model': 'x', 'dtype': 'f32'}), 's');"

@@ -35,6 +35,7 @@ def test_independent_of_node_order_and_duplicates():
     assert all(p1.ranking(k) == p2.ranking(k) for k in KEYS[:500])
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_deterministic_across_processes():
     code = (
         "import xxhash; from kvstore.client.placement import Placement;"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvstore.keys import BlockKey
 from kvstore.node.ssd_tier import SsdTier, checksum
 
@@ -85,6 +87,7 @@ while True:
 """
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_kill_9_mid_write_leaves_every_committed_block_and_nothing_half_written(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)],
                             stdout=subprocess.PIPE, text=True)

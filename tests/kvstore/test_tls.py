@@ -108,6 +108,7 @@ def test_refused_peers_and_the_daemon_serves_on(tls_daemon, certs, foreign) -> N
     assert tls_daemon.proc.poll() is None
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_settings_errors_are_one_clear_line(tmp_path: Path, certs) -> None:
     a, b = certs["daemon"], certs["client"]
     with pytest.raises(TLSError, match="go together; missing --tls-key"):
@@ -130,6 +131,7 @@ def test_settings_errors_are_one_clear_line(tmp_path: Path, certs) -> None:
     assert "is not the key of the certificate" in out.stderr
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_etcd_over_tls_with_client_certificates(tmp_path: Path, certs, foreign) -> None:
     from kvstore.coord.etcd import EtcdClient
 
@@ -172,6 +174,7 @@ def test_etcd_over_tls_with_client_certificates(tmp_path: Path, certs, foreign) 
         proc.wait(10)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_certs_make_command(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvstore.daemon.cli", "certs", "make", str(tmp_path),
                           "--name", "store", "--ip", "10.77.0.11"],

@@ -25,8 +25,8 @@ from planner.sim.costs import StepCosts
 from planner.sim.run import Profiles, simulate_point, unloaded
 from planner.sim.store import SimStore
 from planner.sim.worker import WorkerSpec
-from router.placement.decode import Balance
 from planner.workloads import BenchRequest, TokenSpace, Workload
+from router.placement.decode import Balance
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 737280
@@ -248,6 +248,7 @@ def test_up_flags_round_trip() -> None:
         ClusterConfig(mode="colocated", colocated=0)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
     prof = pf.save(profile(1), tmp_path / "p1.json")
     pf.save(profile(2), tmp_path / "p2.json")

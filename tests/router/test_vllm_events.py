@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -196,12 +195,12 @@ def removed(hashes: list[Any], **fields: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def vllm_pub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Publisher]:
+def vllm_pub(tmp_path_factory: pytest.TempPathFactory, module_procs) -> Iterator[Publisher]:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"the vLLM environment is missing ({VLLM_PYTHON}): bash scripts/setup_vllm.sh")
     log = (tmp_path_factory.mktemp("vllm") / "publisher.log").open("w")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "VLLM_HOST_IP": "127.0.0.1"}
-    proc = subprocess.Popen([str(VLLM_PYTHON), "-u", "-m", "vllm_events_publisher"], env=env,
+    proc = module_procs.popen([str(VLLM_PYTHON), "-u", "-m", "vllm_events_publisher"], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert proc.stdout is not None
