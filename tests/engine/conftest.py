@@ -2,7 +2,9 @@
 
 ``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir``: deterministic tiny random
 checkpoints (``engine.model.tiny``) in a session tmp dir. ``smollm2_dir``: the converted default
-model (SmolLM2-135M-Instruct), converted on first use into the model cache.
+model (SmolLM2-135M-Instruct), converted on first use into the model cache. ``load_path``
+(each load path of the connector) and ``keys`` (five full blocks' keys): the connector's tests'
+(with ``tests/engine/connector_kit.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import pytest
 import torch
 
 from engine.model.tiny import make_tiny_checkpoint
+from kvstore.keys import block_keys, namespace_id
+from kvstore.native.blocks import LIBRARY
+from tests.conftest import require_native
+from tests.engine.connector_kit import BS
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,3 +54,27 @@ def smollm2_dir() -> Path:
     from engine.model.convert import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture(params=["direct", "staged", "python"])
+def load_path(request, monkeypatch):
+    """Run a load test on every path: sinks verifying each block where it lies and copying it
+    into its slot (direct) or into a staging ring sent on in groups (staged, CUDA's), and the
+    Python path (get into a buffer, decode, index_copy_)."""
+    import engine.kv.connector as connector_module
+    import kvstore.transfer.loader as loader_module
+
+    if request.param == "python":
+        monkeypatch.setattr(loader_module, "scatter_kernel", lambda: None)
+        return request.param
+    require_native(loader_module.scatter_kernel() is not None,
+                   "the scatter kernel", LIBRARY.why)
+    if request.param == "staged":
+        monkeypatch.setattr(connector_module, "direct", lambda cache: False)
+    return request.param
+
+
+@pytest.fixture
+def keys():
+    ns = namespace_id({"test": "connector"})
+    return block_keys(ns, list(range(5 * BS + 2)), BS)  # 5 full blocks

@@ -8,105 +8,18 @@ from __future__ import annotations
 
 import time
 
-import threading
-
-import numpy as np
 import pytest
 import torch
 
-from kvstore.native.blocks import LIBRARY
-from tests.conftest import require_native
-
-from kvstore import codec
-from kvstore.errors import StoreUnavailable
-from kvstore.net.buffers import Sink
-from kvstore.keys import block_keys, namespace_id
-
 from engine.kv.connector import KVStoreConnector
+from kvstore import codec
+from kvstore.keys import namespace_id
+from kvstore.native.blocks import LIBRARY
+from kvstore.net.buffers import Sink
+from tests.conftest import require_native
+from tests.engine.connector_kit import BS, D, DictStore, H, L, make_cache
 
 torch.set_num_threads(1)
-
-L, BS, H, D, NB = 3, 4, 2, 8, 16
-
-
-class DictStore:
-    """Client stand-in: put/get/get_bytes/prefix_len over a dict, thread-safe."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-        self.lock = threading.Lock()
-        self.puts = 0
-        self.down = False
-
-    def _check(self) -> None:
-        if self.down:
-            raise StoreUnavailable("test store is down")
-
-    def put(self, keys, values) -> list[bool]:
-        self._check()
-        with self.lock:
-            self.puts += 1
-            for k, v in zip(keys, values, strict=True):
-                self.data[bytes(k)] = bytes(memoryview(v).cast("B"))
-        return [True] * len(keys)
-
-    def get(self, keys, buffers) -> list[bool]:
-        self._check()
-        out, sunk = [], []
-        for k, b in zip(keys, buffers, strict=True):
-            v = self.data.get(bytes(k))
-            if v is not None:
-                if isinstance(b, Sink):  # consumed where it lies, as the shm path does
-                    sunk.append((b, np.frombuffer(v, np.uint8)))
-                else:
-                    memoryview(b).cast("B")[: len(v)] = v
-            out.append(v is not None)
-        if sunk:
-            type(sunk[0][0]).consume_all(sunk)
-        return out
-
-    def contains(self, keys) -> list[bool]:
-        self._check()
-        return [bytes(k) in self.data for k in keys]
-
-    def prefix_len(self, keys) -> int:
-        self._check()
-        n = 0
-        for k in keys:
-            if bytes(k) not in self.data:
-                break
-            n += 1
-        return n
-
-
-def make_cache(dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((L, 2, NB, BS, H, D), generator=g).to(dtype)
-
-
-@pytest.fixture(params=["direct", "staged", "python"])
-def load_path(request, monkeypatch):
-    """Run a load test on every path: sinks verifying each block where it lies and copying it
-    into its slot (direct) or into a staging ring sent on in groups (staged, CUDA's), and the
-    Python path (get into a buffer, decode, index_copy_)."""
-    import engine.kv.connector as connector_module
-    import kvstore.transfer.loader as loader_module
-
-    if request.param == "python":
-        monkeypatch.setattr(loader_module, "scatter_kernel", lambda: None)
-        return request.param
-    require_native(loader_module.scatter_kernel() is not None,
-                   "the scatter kernel", LIBRARY.why)
-    if request.param == "staged":
-        monkeypatch.setattr(connector_module, "direct", lambda cache: False)
-    return request.param
-
-
-@pytest.fixture
-def keys():
-    ns = namespace_id({"test": "connector"})
-    return block_keys(ns, list(range(5 * BS + 2)), BS)  # 5 full blocks
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_save_then_load_round_trips_into_other_blocks(load_path, keys, dtype):

@@ -13,7 +13,7 @@ import torch
 from engine.kv.connector import KVStoreConnector
 from kvstore.client.cluster import ClusterClient
 from kvstore.keys import block_keys, namespace_id
-from tests.engine.test_connector import BS, NB, make_cache
+from tests.engine.connector_kit import BS, NB, make_cache
 
 pytestmark = pytest.mark.integration
 

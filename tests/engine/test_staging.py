@@ -10,7 +10,7 @@ import torch
 
 from engine.kv.connector import KVStoreConnector
 from kvstore.transfer.staging import StagingPool
-from tests.engine.test_connector import DictStore, keys, load_path, make_cache  # noqa: F401
+from tests.engine.connector_kit import DictStore, make_cache
 
 ROUNDS = 30
 
