@@ -7,9 +7,11 @@ accepts and the JSON body its 401 carries. For each HTTP request, the first gate
 the path starts with decides: the request passes with ``Authorization: Bearer <token>`` for
 one of its tokens (compared in constant time), and is answered 401 (that body and
 ``WWW-Authenticate: Bearer``) otherwise, before any handler or routing runs (unknown paths
-too). A path that no gate covers passes; so do :data:`OPEN_PATHS` (``/health`` and
-``/metrics``: load balancers and scrapers) and every other scope (lifespan). A gate given no
-token (a secret that is not configured) guards nothing: its paths fall to the next gate.
+too). A WebSocket handshake is held to the same gates and closed (code 1008, before it is
+accepted) without the token; neither server serves one, but a route added later must not open
+a door. A path that no gate covers passes; so do :data:`OPEN_PATHS` (``/health`` and
+``/metrics``: load balancers and scrapers) and the lifespan scope. A gate given no token (a
+secret that is not configured) guards nothing: its paths fall to the next gate.
 
 Plain ASGI, not Starlette's ``BaseHTTPMiddleware``: a streamed answer passes through
 untouched, and ``kvstore`` needs no web framework (the import contracts forbid it one).
@@ -62,7 +64,7 @@ class BearerGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in self.open_paths:
+        if scope["type"] not in ("http", "websocket") or path in self.open_paths:
             return await self.app(scope, receive, send)
         gate, accepted = next(((g, tokens) for g, tokens in self._gates
                                if path.startswith(g.prefix)), (None, []))
@@ -74,6 +76,9 @@ class BearerGate:
             matched |= header is not None and hmac.compare_digest(header, token)
         if matched:
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
         reason = "no Authorization header" if header is None else "wrong credentials"
         body = json.dumps(gate.denied(reason), ensure_ascii=False, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": 401,

@@ -84,3 +84,12 @@ def test_every_token_of_a_gate_is_accepted() -> None:
     gate = BearerGate(_app, [Gate("/", ("old", None, "new"), lambda r: {"error": r})])
     assert _call(gate, "/x", bearer_headers("old")) == _call(gate, "/x", bearer_headers("new")) == STREAM
     assert _denied(_call(gate, "/x", bearer_headers("other"))) == {"error": "wrong credentials"}
+
+
+def test_a_websocket_handshake_is_held_to_the_same_gates() -> None:
+    gate = _router_like("sec", "key")
+    closed = [{"type": "websocket.close", "code": 1008}]
+    assert _call(gate, "/v1/stream", scope_type="websocket") == closed
+    assert _call(gate, "/admin/x", bearer_headers("key"), scope_type="websocket") == closed
+    assert _call(gate, "/admin/x", bearer_headers("sec"), scope_type="websocket") == STREAM
+    assert _call(gate, "/health", scope_type="websocket") == STREAM
