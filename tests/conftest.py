@@ -41,7 +41,7 @@ import pytest
 from kvstore.proc import die_with_parent
 from kvstore.proc import free_port as _free_port
 
-pytest_plugins = ["tests.daemons", "tests.hosts_fixture", "tests.procs"]
+pytest_plugins = ["tests.procs", "tests.daemons", "tests.hosts_fixture"]
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 
