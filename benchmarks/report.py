@@ -21,9 +21,31 @@ __all__ = ["machine_info", "write_json", "emit", "pyplot", "save_figure"]
 
 def machine_info(**extra: Any) -> dict[str, Any]:
     """Where the benchmark ran; ``extra`` adds to it."""
-    return {"platform": platform.platform(), "python": platform.python_version(),
+    return {"platform": _platform(), "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "client_cpus": sorted(os.sched_getaffinity(0)),
-            "processor": platform.processor() or platform.machine(), **extra}
+            "processor": _processor(), **extra}
+
+
+def _platform() -> str:
+    """``platform.platform()``'s string (e.g. ``Linux-6.1.0-x86_64-with-glibc2.36``), built
+    without asking ``platform.uname()`` for its processor: on Linux that runs ``uname -p``, a
+    child process (so would ``platform.processor()``)."""
+    u = os.uname()
+    libc, version = platform.libc_ver()
+    return "-".join(x for x in (u.sysname, u.release, u.machine) if x) + (f"-with-{libc}{version}" if libc else "")
+
+
+def _processor() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the machine type (see :func:`_platform`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def write_json(path: Path | str, record: Any) -> None:

@@ -1,6 +1,6 @@
 """The GPU check's driver (gpucheck), here without a GPU.
 
-The runner's statuses and caps on fake sections (in-process, no torch); then the real driver
+The runner's statuses and caps on fake sections (in-process); then the real driver
 under ``--cpu-selftest`` (tiny sizes on CPU) over the sections that need neither transformers
 nor worker processes, which run in seconds: the CUDA-only ones must say unsupported, the others
 pass, and the report and log must be written. The rest (greedy against transformers, the
@@ -20,6 +20,11 @@ from pathlib import Path
 
 import pytest
 
+# Imported here, not in the tests: torch's import runs ldconfig (ctypes.util.find_library),
+# which a fast-tier test may not start (tests/conftest.py).
+from engine.worker.cli import build_parser as kvengine_parser
+from gpucheck import ucx_cuda
+from gpucheck.hooks import profile_argv
 from gpucheck.runner import Ctx, NotImplementedHook, OutOfTime, Section, Unsupported, run_sections
 from tests.cli_help import flags_without_help
 
@@ -153,8 +158,6 @@ def test_the_ucx_wheel_list_is_ucxx_cuda13_closure_and_nothing_else():
 def test_the_ucx_cuda_section_says_how_to_get_ucxx_where_it_is_missing(tmp_path, monkeypatch):
     import sys
 
-    from gpucheck import ucx_cuda
-
     with pytest.raises(Unsupported, match="no CUDA"):
         ucx_cuda.run(Ctx(device="cpu", selftest=False, work=tmp_path, out=tmp_path, log_file=None), {})
     monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)  # import fails, as in the image
@@ -162,11 +165,10 @@ def test_the_ucx_cuda_section_says_how_to_get_ucxx_where_it_is_missing(tmp_path,
         ucx_cuda.run(_ctx(tmp_path), {})
 
 
-@pytest.mark.integration  # starts the sending child process
+@pytest.mark.usefixtures("procs")  # starts the sending child process: the integration tier
 def test_the_ucx_cuda_section_moves_seeded_blocks_between_processes_under_the_selftest(tmp_path):
     """The whole protocol on host memory with the CUDA 12 ucxx .venv holds: a child, its
     endpoint to this process's worker, tagged messages, the bit-exact check, the timing."""
-    from gpucheck import ucx_cuda
     from kvstore.net import ucx
 
     if ucx.available() is not None:
@@ -183,8 +185,6 @@ def test_the_ucx_cuda_section_moves_seeded_blocks_between_processes_under_the_se
 
 
 def test_the_ucx_cuda_section_reads_the_transports_from_ucxs_protocol_tables():
-    from gpucheck.ucx_cuda import _transports
-
     lines = ["| ucp_context_0 intra-node cfg#0 | tagged message by ucp_tag_send* from host memory |",
              "|                 0 | eager short                                | tcp/lo |",
              "|        16353..inf | (?) rendezvous fragmented copy-in copy-out | tcp/lo |",
@@ -192,7 +192,7 @@ def test_the_ucx_cuda_section_reads_the_transports_from_ucxs_protocol_tables():
              "|            0..8K | eager copy-in | cuda_copy/cuda |",
              "|           8K..inf | rendezvous zero-copy read from remote | 50% on cuda_ipc/cuda and "
              "50% on rc_mlx5/mlx5_0:1 |"]
-    assert _transports(lines) == {"host": ["tcp"], "cuda": ["cuda_copy", "cuda_ipc", "rc_mlx5"]}
+    assert ucx_cuda._transports(lines) == {"host": ["tcp"], "cuda": ["cuda_copy", "cuda_ipc", "rc_mlx5"]}
 
 
 # Tests that name CUDA without needing it: they check what happens where CUDA is absent.
@@ -240,11 +240,8 @@ def test_every_test_that_uses_cuda_is_marked_gpu():
 
 
 def test_the_profile_hook_runs_kvengine_profile_with_flags_it_takes(tmp_path):
-    from gpucheck.hooks import profile_argv
-    from engine.worker.cli import build_parser
-
     argv = profile_argv(tmp_path / "m", "cuda", tmp_path / "p.json", selftest=False)
     assert argv[1:4] == ["-m", "engine.worker.cli", "profile"]
-    args = build_parser().parse_args(argv[3:])
+    args = kvengine_parser().parse_args(argv[3:])
     assert (args.model, args.device, args.quick, args.out) == (str(tmp_path / "m"), "cuda", True,
                                                                str(tmp_path / "p.json"))

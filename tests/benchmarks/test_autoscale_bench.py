@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.planner.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe, read_timeline,
-                                        shifting_workload, slots, up_flags, verdict)
+from benchmarks.planner.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe,
+                                                read_timeline, shifting_workload, simulate, slots, up_flags,
+                                                verdict)
+from engine.profile import format as pf
+from planner.metrics import Slo
 from planner.workloads import TokenSpace
 from tests.benchmarks.fake_openai import FakeOpenAI
+from tests.planner.test_sim import profile
 
 
 def _args(*extra: str):
@@ -123,11 +127,6 @@ def test_timeline_and_plot(tmp_path: Path) -> None:
 def test_profiles_put_the_simulators_prediction_beside_each_configuration(tmp_path: Path) -> None:
     # --profile: every configuration simulated from its own flags on the measured workload and
     # objectives (here a synthetic profile's; the real run's are measured).
-    from benchmarks.planner.autoscale_bench import simulate
-    from engine.profile import format as pf
-    from planner.metrics import Slo
-    from tests.planner.test_sim import profile
-
     pf.save(profile(1), tmp_path / "p1.json")
     args = _args("--phase-seconds", "30", "--decode-rate", "0.5", "--prefill-rate", "0.5",
                  "--profile", str(tmp_path / "p1.json"))

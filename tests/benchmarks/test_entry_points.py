@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,9 +66,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def checked() -> dict[str, dict]:
-    r = subprocess.run([sys.executable, "-c", _CHECK_ALL, *RUNNABLE], cwd=REPO, capture_output=True,
-                       text=True, timeout=300)
+def checked(module_procs) -> dict[str, dict]:
+    r = module_procs.run([sys.executable, "-c", _CHECK_ALL, *RUNNABLE], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -83,7 +81,6 @@ def test_the_runnable_modules_are_found():
     assert [n for n in RUNNABLE if n.count(".") == 1 and n.startswith("benchmarks.")] == []
 
 
-@pytest.mark.integration   # runs them in a child process
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_help_the_documented_way(checked, name):
     got = checked[name]
@@ -91,7 +88,6 @@ def test_help_the_documented_way(checked, name):
     assert got["help"].startswith(f"usage: python -m {name}"), got["help"][:300]
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_every_flag_has_help(checked, name):
     assert checked[name]["no_help"] in (None, [])

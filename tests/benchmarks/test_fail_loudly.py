@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = str(Path(sys.executable).parent)
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_sweep_does_not_measure_a_server_it_did_not_start(tmp_path: Path, capsys) -> None:
     with FakeOpenAI(ttft_s=0.01, tpot_s=0.001) as other:   # e.g. an earlier run's cluster
         port = int(other.url.rsplit(":", 1)[1])
@@ -35,12 +36,11 @@ def test_sweep_does_not_measure_a_server_it_did_not_start(tmp_path: Path, capsys
     assert "already in use before the launch" in rec["failed"]["mine"] and rec["configs"] == {}
 
 
-def test_compare_reports_a_configuration_that_did_not_start_as_an_error(tmp_path: Path) -> None:
+def test_compare_reports_a_configuration_that_did_not_start_as_an_error(tmp_path: Path, procs) -> None:
     with FakeOpenAI(ttft_s=0.01, tpot_s=0.001) as other:
         port = other.url.rsplit(":", 1)[1]
-        done = subprocess.run([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
-                               "--port", port, "--out", str(tmp_path)],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        done = procs.run([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
+                          "--port", port, "--out", str(tmp_path)], timeout=60)
         assert other.received == []
     assert done.returncode == 1, done.stderr
     rec = json.loads((tmp_path / "compare.json").read_text())
@@ -48,16 +48,15 @@ def test_compare_reports_a_configuration_that_did_not_start_as_an_error(tmp_path
     assert rec["configs"]["disagg"]["parts"] == {} and len(rec["errors"]) == 1
 
 
-def test_compare_stopped_by_sigterm_stops_its_sweep_and_its_cluster(tmp_path: Path) -> None:
+def test_compare_stopped_by_sigterm_stops_its_sweep_and_its_cluster(tmp_path: Path, procs) -> None:
     from engine.model.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
-                             "--model", str(model), "--mixed-extra", "--vocab-size 500", "--port", str(free_port()),
-                             "--out", str(tmp_path / "out")],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = procs.popen([sys.executable, "-m", "benchmarks.serving.compare", "--quick", "--configs", "disagg",
+                        "--model", str(model), "--mixed-extra", "--vocab-size 500", "--port", str(free_port()),
+                        "--out", str(tmp_path / "out")],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     started: set[int] = set()
     try:
         assert proc.stderr is not None

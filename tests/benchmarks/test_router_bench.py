@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,14 +12,13 @@ from benchmarks.serving.router_bench import build_workload, make_index, make_wor
 from router.placement.cost import estimate_prefill
 from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 
-REPO = Path(__file__).resolve().parents[2]
 
 
-def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path) -> None:
-    out = subprocess.run(
+def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path, procs) -> None:
+    out = procs.run(
         [sys.executable, "-m", "benchmarks.serving.router_bench", "--quick", "--out", str(tmp_path),
          "--sizes", "200", "600", "--prompts", "256", "512", "--queries", "20", "--rounds", "2"],
-        capture_output=True, text=True, timeout=120, check=True, cwd=REPO)
+        timeout=120, check=True)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
     res = json.loads(lines[0])
@@ -95,7 +93,7 @@ def _cell(size: int, lookup: float, decision: float, dyn: float) -> dict:
                                 for w in ("lookup", "decision") for p in ("p50", "p99")}}
 
 
-def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path) -> None:
+def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path, procs) -> None:
     from benchmarks.serving.router_report import median_cells, table, targets
 
     runs = [{"cells": [_cell(1000, lk, dec, 10.0)], "target": {}}
@@ -111,8 +109,7 @@ def test_report_takes_the_median_of_runs_and_judges_the_targets(tmp_path: Path) 
     assert "| 1,000 | 512 | 6.00 | 12.00 |" in table([cell])
     for i, run in enumerate(runs):
         (tmp_path / f"run{i}.json").write_text(json.dumps(run))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.serving.router_report", "--from",
-                          *(str(tmp_path / f"run{i}.json") for i in range(3))],
-                         capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
+    out = procs.run([sys.executable, "-m", "benchmarks.serving.router_report", "--from",
+                     *(str(tmp_path / f"run{i}.json") for i in range(3))], timeout=60, check=True)
     res = json.loads(out.stdout)
     assert res["runs"] == 3 and res["cells"] == [cell] and res["target"] == t

@@ -32,6 +32,7 @@ def test_endpoint_of_a_launched_configuration():
     assert lifecycle.Configuration("a", command="kvrouter up").endpoint() == "http://127.0.0.1:8000"
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_path, capsys):
     with FakeOpenAI(ttft_s=0.02, tpot_s=0.005) as fake, pytest.raises(SystemExit, match="broken"):
         sweep.main([
@@ -44,6 +45,7 @@ def test_a_configuration_that_fails_to_start_is_reported_and_the_rest_run(tmp_pa
     assert list(rec["configs"]) == ["ok"] and rec["configs"]["ok"]["curve"][0]["failed"] == 0
 
 
+@pytest.mark.usefixtures("procs")  # starts processes: the integration tier
 def test_sweep_runs_each_configuration_over_the_rates(tmp_path, capsys):
     port = free_port()
     out = tmp_path / "sweep"
