@@ -396,7 +396,7 @@ class KVStorePlugin(StoragePluginInterface):
                     if ok:
                         try:
                             on_complete(key)
-                        except Exception as exc:  # LMCache's callback: log, as its backends do
+                        except Exception as exc:  # noqa: BLE001 - LMCache's callback: log, as its backends do
                             log.warning("on_complete_callback failed for %s: %s", key, exc)
         finally:
             for key, obj, _ in batch:

@@ -79,7 +79,7 @@ class StoreLink:
             return None
         try:
             return self._lazy.get()
-        except Exception as exc:  # a store (or etcd) down, a secret file gone: a miss
+        except Exception as exc:  # noqa: BLE001 - a store (or etcd) down, a secret file gone: a miss
             self._next_try = time.monotonic() + self._retry_s
             log.debug("kvstore unreachable: %s", exc)
             return None

@@ -87,7 +87,7 @@ def available() -> str | None:
         try:
             from ucxx._lib import libucxx  # type: ignore[import-not-found]
             from ucxx._lib.arr import Array  # type: ignore[import-not-found]
-        except Exception as e:  # ImportError, or a library that does not load
+        except Exception as e:  # noqa: BLE001 - ImportError, or a library that does not load
             _import_error = (f"ucxx is not importable ({e}); install the ucx extra: "
                              "pip install 'kvcache-store[ucx]'")
         else:
@@ -127,7 +127,7 @@ def wait(reqs: Sequence[Any], deadline: float, idle: float | None = None,
     for r in reqs:
         try:
             r.check_error()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever ucxx raises becomes UcxError
             raise UcxError(f"a UCX transfer failed: {type(e).__name__}: {e}") from None
 
 
@@ -176,7 +176,7 @@ class Endpoint:
         ep, self._ep = self._ep, None
         try:
             ep.close_blocking()
-        except Exception:
+        except Exception:  # noqa: BLE001 - closing an endpoint whose peer is gone
             pass
         self.stuck = not _settle([r for r, _ in self._inflight], time.monotonic() + _CLOSE_WAIT)
         if not self.stuck:  # a request UCX may still touch keeps its buffer for good
@@ -212,7 +212,7 @@ class Worker:
         try:
             addr = _lib.UCXAddress.create_from_buffer(address)
             return Endpoint(_lib.UCXEndpoint.create_from_worker_address(self._worker, addr, True))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever ucxx raises on bad bytes is bad input
             raise ValueError(f"not a UCX worker address ({type(e).__name__}: {e})") from None
 
     def close(self) -> None:

@@ -126,7 +126,7 @@ async def stream(state: AppState, fmt: ResponseFormatter, kind: str,
             async with aclosing(deltas) as stream:
                 async for d in stream:
                     await queue.put(d)
-        except Exception as exc:  # reported in the stream, below
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, below
             await queue.put(exc)
         finally:
             await queue.put(None)

@@ -228,7 +228,7 @@ def test_concurrent_clients_are_served_in_parallel(start_daemon):
                     k = [BlockKey(os.urandom(16)) for _ in range(4)]
                     c.put(k, [os.urandom(4096)] * 4)
                     assert all(c.get_bytes(k))
-        except BaseException as e:  # reported below
+        except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     ts = [threading.Thread(target=work) for _ in range(8)]

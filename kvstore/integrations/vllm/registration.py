@@ -100,7 +100,7 @@ class InstanceRegistration:
                 continue
             try:
                 reg = register(s.etcd, s.cluster, "workers", s.worker_id, self.value, ttl=s.ttl)
-            except Exception as exc:  # etcd down: keep trying; the instance serves meanwhile
+            except Exception as exc:  # noqa: BLE001 - etcd down: keep trying; the instance serves meanwhile
                 log.warning("kvstore: cannot register %s in etcd yet: %s", s.worker_id, exc)
                 self._stop.wait(max(self._poll_s, 1.0))
                 continue

@@ -112,7 +112,7 @@ class SchedulerSide:
             return 0
         try:
             n = int(client.prefix_len(for_rank(keys, 0, self.tp_size)))
-        except Exception as exc:  # a store error, or anything else: a miss, never raised into vLLM
+        except Exception as exc:  # noqa: BLE001 - a store error, or anything else: a miss, never raised into vLLM
             log.warning("kvstore: lookup failed, a miss: %s", exc)
             self.link.reset()
             self.stats.lookup_errors += 1
@@ -177,7 +177,7 @@ class SchedulerSide:
             return
         try:
             held = client.contains(for_rank(r.keys[:upto], 0, self.tp_size))
-        except Exception as exc:  # a miss: nothing saved, nothing raised into vLLM
+        except Exception as exc:  # noqa: BLE001 - a miss: nothing saved, nothing raised into vLLM
             log.warning("kvstore: lookup failed, device hits not checked: %s", exc)
             self.link.reset()
             return

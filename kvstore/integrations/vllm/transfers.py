@@ -185,7 +185,7 @@ class Transfers:
             return False
         try:
             return client.prefix_len(list(spec.keys)) >= len(spec.keys)
-        except Exception:  # a store error or anything else: not yet (the load thread lives on)
+        except Exception:  # noqa: BLE001 - a store error or anything else: not yet (the load thread lives on)
             self._load_link.reset()
             return False
 
