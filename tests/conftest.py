@@ -52,8 +52,8 @@ PROCESS_FIXTURES = frozenset({"etcd", "etcd_server", "start_daemon", "daemon", "
                               "vllm_pd"})
 SLOW_FIXTURES = frozenset({"smollm2_dir"})
 # Tools an in-process test may run: the C compiler of the native kernels (once per build),
-# openssl for test certificates (kvstore.certs).
-TOOLS = frozenset({"cc", "gcc", "clang", "openssl"})
+# openssl for test certificates (kvstore.certs), ldconfig (importing torch asks it for libraries).
+TOOLS = frozenset({"cc", "gcc", "clang", "openssl", "ldconfig"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
