@@ -207,9 +207,8 @@ def staging(ctx: Ctx, rec: dict[str, Any]) -> None:
     """The connector on a cache of this device: loads and saves reuse pooled (on CUDA pinned)
     staging buffers, so many requests allocate nothing once warm; loaded bytes are the saved ones."""
     from engine.kv.connector import KVStoreConnector
-    from kvstore import Client
-
     from gpucheck.store import daemon
+    from kvstore import Client
 
     address = daemon(ctx)
     cache = torch.randn(3, 2, 32, 16, 2, 16, generator=torch.Generator().manual_seed(0)).to(ctx.device)
@@ -275,9 +274,8 @@ def gpu_tier(ctx: Ctx, rec: dict[str, Any]) -> None:
 
 def client_cuda(ctx: Ctx, rec: dict[str, Any]) -> None:
     """The client puts and gets tensors of this device through the daemon (shm and TCP)."""
-    from kvstore import Client
-
     from gpucheck.store import daemon
+    from kvstore import Client
 
     address = daemon(ctx)
     for transport in ("shm", "tcp"):

@@ -142,7 +142,7 @@ def decode_tps(ctx: Ctx, rec: dict[str, Any]) -> None:
 
         def ours() -> None:
             for s in range(steps):
-                runner.execute([StepItem([5 + i], context + s, tables[i]) for i in range(b)])
+                runner.execute([StepItem([5 + i], context + s, tables[i]) for i in range(b)])  # noqa: F821 - deleted only after its last call
 
         rec[f"ours_b{b}_tps"] = round(b * steps / _median_s(ctx, ours, 3), 1)
     rec["decode_path"] = triton_status() if ctx.cuda else "native or torch"
@@ -185,7 +185,7 @@ def prefill_tps(ctx: Ctx, rec: dict[str, Any]) -> None:
         ctx.check_time(f"ours at {n} tokens")
         table = list(range(n // 16 + 1))
         item = StepItem(prompts[n], 0, table)
-        rec[f"ours_{n}_tps"] = round(n / _median_s(ctx, lambda: runner.execute([item]), 3), 1)
+        rec[f"ours_{n}_tps"] = round(n / _median_s(ctx, lambda: runner.execute([item]), 3), 1)  # noqa: F821 - as above
     del runner
     hf = hf_model(model_dir, getattr(torch, dtype), ctx.device)
     for n in lengths:

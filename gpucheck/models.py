@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from gpucheck.runner import Ctx
 from engine.model.tiny import _weights
+from gpucheck.runner import Ctx
 
 __all__ = ["SHAPES", "tiny", "shaped"]
 

@@ -69,7 +69,7 @@ def _ucxx() -> tuple[Any, Any]:
     try:
         libucxx = importlib.import_module("ucxx._lib.libucxx")
         array = importlib.import_module("ucxx._lib.arr").Array
-    except Exception as e:  # ImportError, or a library that does not load
+    except Exception as e:  # noqa: BLE001 - ImportError, or a library that does not load
         raise Unsupported(NO_UCXX.format(f"{type(e).__name__}: {e}")) from None
     return libucxx, array
 

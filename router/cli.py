@@ -322,7 +322,8 @@ def usage_banner(url: str, model: str, api_key: str | None) -> str:
 def _up(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvstore import secret as cluster_secret, tls
+    from kvstore import secret as cluster_secret
+    from kvstore import tls
     from router.cluster.launcher import ClusterSpec, LaunchError
     from router.cluster.supervisor import Supervisor, SupervisorMetrics, serve_metrics
 

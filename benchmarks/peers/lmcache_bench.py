@@ -46,8 +46,8 @@ import numpy as np
 from benchmarks import lifecycle
 from benchmarks.lifecycle import REPO
 from benchmarks.report import emit, machine_info, write_json
-from kvstore.daemon.local import start_local
 from kvstore.daemon.config import parse_size
+from kvstore.daemon.local import start_local
 from kvstore.proc import free_port
 
 BENCH_PYTHON = Path.home() / ".cache" / "kvcache-store" / "lmcache-bench-venv" / "bin" / "python"
@@ -216,6 +216,7 @@ class _EngineRounds:
 
     def __init__(self, config: dict, max_tokens: int, name: str) -> None:
         import torch
+
         from benchmarks.peers.lmcache_engine import LMCacheRig
 
         self.torch, self.name = torch, name

@@ -83,8 +83,8 @@ import numpy as np
 from benchmarks import lifecycle
 from benchmarks.lifecycle import Configuration, Launched, kvrouter_up
 from benchmarks.planner.autoscale_plot import plot
-from benchmarks.serving.load_client import ClientConfig, fetch_model, run_workload, stream_completion
 from benchmarks.report import emit, machine_info, write_json
+from benchmarks.serving.load_client import ClientConfig, fetch_model, run_workload, stream_completion
 from planner.metrics import RequestResult, Slo, summarize
 from planner.workloads import BenchRequest, MixedSpec, TokenSpace, Workload
 

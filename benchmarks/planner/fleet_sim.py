@@ -33,10 +33,9 @@ from benchmarks.report import emit, pyplot, save_figure, write_json
 from planner.metrics import SLO_SCALES, Slo
 from planner.recommend import candidates, recommend
 from planner.sim.run import Profiles, unloaded
-from planner.workload_args import spec_from_args
-from planner.workloads import TokenSpace
 from planner.sim.sweep import SweepSettings
-from planner.workload_args import add_workload_args
+from planner.workload_args import add_workload_args, spec_from_args
+from planner.workloads import TokenSpace
 
 DEFAULT_PROFILE = REPO / "planner" / "profiles" / "a100_vidur_llama3_8b.json"
 

@@ -56,10 +56,10 @@ from tqdm import tqdm
 
 from benchmarks import lifecycle
 from benchmarks.lifecycle import Configuration, Launched, kvrouter_up
-from benchmarks.serving.compare import CONFIGS
-from benchmarks.serving.load_client import ClientConfig, fetch_model, run_workload
 from benchmarks.planner.step_fidelity import classify
 from benchmarks.report import emit, pyplot, save_figure
+from benchmarks.serving.compare import CONFIGS
+from benchmarks.serving.load_client import ClientConfig, fetch_model, run_workload
 from engine.profile.format import Profile, Serving, ServingPoint, ServingPrefillPoint, load, nonneg_lstsq, save
 from kvstore.proc import free_port
 from planner.metrics import RequestResult

@@ -38,8 +38,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from engine.model.runner import ModelRunner, StepItem
     from engine.api.paths import resolve_model_dir
+    from engine.model.runner import ModelRunner, StepItem
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from benchmarks.report import emit
 from engine.model import native
+
+
 def _median_ms(fn, n: int = 30) -> float:
     for _ in range(3):
         fn()

@@ -61,9 +61,9 @@ import numpy as np
 
 from benchmarks import lifecycle
 from benchmarks.lifecycle import Configuration, Launched, kvrouter_up
+from benchmarks.report import emit, machine_info
 from benchmarks.serving.load_client import ClientConfig, fetch_model, stream_completion
 from planner.metrics import RequestResult
-from benchmarks.report import emit, machine_info
 from planner.workloads import BenchRequest, TokenSpace
 
 PY = sys.executable

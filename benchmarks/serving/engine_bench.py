@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from engine.model.convert import ensure_default_model
-    from engine.model.runner import ModelRunner, StepItem
     from engine.model.native import native_status
+    from engine.model.runner import ModelRunner, StepItem
 
     model_dir = ensure_default_model()
     prefill_lens = [128, 512] if args.quick else [128, 512, 1024, 2048, 4096]
@@ -82,13 +82,15 @@ def main(argv: list[str] | None = None) -> None:
             table = list(range(-(-n // bs)))
 
             def ours():
-                runner.execute([StepItem(p, 0, table)]); sync()
+                runner.execute([StepItem(p, 0, table)])
+                sync()
 
             ids = torch.tensor([p], device=dev)
 
             def theirs():
                 with torch.inference_mode():
-                    hf(ids, use_cache=True, logits_to_keep=1); sync()
+                    hf(ids, use_cache=True, logits_to_keep=1)
+                    sync()
 
             t_ours, t_hf = _timeit(ours, repeat), _timeit(theirs, repeat)
             results["prefill"].append({"tokens": n, "ours_tok_s": n / t_ours, "hf_tok_s": n / t_hf,

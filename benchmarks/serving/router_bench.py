@@ -60,19 +60,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from engine.api.generate import WorkerInfo
-from engine.api.events import BlockEvent, LoadFigures, Snapshot
-from kvstore.keys import block_keys, extend_block_keys
-from router.workers.kv_index import KvIndex
-from router.workers.kv_native import native_status
-from router.placement.prefill import PrefillPolicy
-from router.workers.load import WorkerLoad
-
 from benchmarks import lifecycle
 from benchmarks.lifecycle import REPO
 from benchmarks.report import emit, machine_info
 from benchmarks.serving.router_report import plot_cells, targets
-
+from engine.api.events import BlockEvent, LoadFigures, Snapshot
+from engine.api.generate import WorkerInfo
+from kvstore.keys import block_keys, extend_block_keys
+from router.placement.prefill import PrefillPolicy
+from router.workers.kv_index import KvIndex
+from router.workers.kv_native import native_status
+from router.workers.load import WorkerLoad
 
 BLOCK = 16
 WORKERS = 8

@@ -48,7 +48,14 @@ from benchmarks import lifecycle
 from benchmarks.lifecycle import Configuration, Launched
 from benchmarks.report import emit, machine_info
 from benchmarks.serving.serve_bench import (
-    add_bench_args, client_config, fetch_model, fixed_slo, measure_unloaded, pin_client, run_point, write_requests,
+    add_bench_args,
+    client_config,
+    fetch_model,
+    fixed_slo,
+    measure_unloaded,
+    pin_client,
+    run_point,
+    write_requests,
 )
 from planner.metrics import SLO_SCALES, Slo, Unloaded, attainment_at_scales, max_rate_meeting, summary_stat
 from planner.workload_args import build_workload, spec_from_args

@@ -24,7 +24,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # scripts/setup_vllm.sh builds it

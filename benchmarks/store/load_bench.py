@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     from engine.kv.connector import KVStoreConnector
-    from kvstore.client.scatter import scatter_kernel
     from kvstore import Client, codec
+    from kvstore.client.scatter import scatter_kernel
     from kvstore.keys import block_keys
 
     n_max = max(args.blocks)

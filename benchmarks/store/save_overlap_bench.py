@@ -178,11 +178,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import kvstore
     from engine.api.generate import SamplingParams
-    from engine.kv.connector import KVStoreConnector
+    from engine.api.paths import resolve_model_dir
     from engine.core.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
+    from engine.kv.connector import KVStoreConnector
     from engine.model.runner import ModelRunner
-    from engine.api.paths import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)

@@ -71,15 +71,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from kvstore import Client
-from kvstore.keys import BlockKey
-from kvstore.net.sockio import recv_buffers, send_buffers, tune_socket
-
 from benchmarks import lifecycle
 from benchmarks.lifecycle import REPO
 from benchmarks.report import emit, machine_info, pyplot, save_figure
+from kvstore import Client
 from kvstore.daemon.local import start_local
-
+from kvstore.keys import BlockKey
+from kvstore.net.sockio import recv_buffers, send_buffers, tune_socket
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 360 * KiB, 720 * KiB, 1 * MiB, 16 * MiB]

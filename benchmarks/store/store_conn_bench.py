@@ -64,7 +64,7 @@ def _hold(port: int, n: int, ready, stop) -> None:
             if h.flags & P.FLAG_ERROR:
                 raise RuntimeError("the daemon refused an idle connection")
         ready.put(len(socks))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread, which reports it
         ready.put(repr(e))
     stop.wait(300)
     for s in socks:

@@ -20,12 +20,22 @@ A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from engine.api.fields import (ApiValidationError, json_object, read_bool, read_figures, read_float,
-                               read_int, read_keys, read_object, read_str, read_token_ids)
+from engine.api.fields import (
+    ApiValidationError,
+    json_object,
+    read_bool,
+    read_figures,
+    read_float,
+    read_int,
+    read_keys,
+    read_object,
+    read_str,
+    read_token_ids,
+)
 from kvstore.keys import BlockKey
 
 __all__ = [

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 from engine.api.generate import FinishReason
 from engine.core.block_manager import BlockManager
-from engine.core.connector_api import EngineConnector
 from engine.core.config import EngineConfig
-from engine.core.sampling import SamplerOutput
+from engine.core.connector_api import EngineConnector
 from engine.core.request import Request, RequestStatus
+from engine.core.sampling import SamplerOutput
 from kvstore.keys import BlockKey
 
 __all__ = ["ScheduledChunk", "SchedulerOutput", "Scheduler"]

@@ -62,7 +62,7 @@ import torch
 from engine.core.connector_api import LoadDone
 from engine.core.request import LoadTally
 from engine.kv.handoff import Placer, directory_of, source_client
-from engine.kv.saver import SaveJob, SaveResult, Saver
+from engine.kv.saver import SaveJob, Saver, SaveResult
 from engine.kv.scatter import PagedCache, direct
 from kvstore import codec
 from kvstore.client.api import StoreClient

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from engine.kv.handoff import NodeDirectory, Placer, source_client
-from kvstore.transfer.staging import StagingPool
 from kvstore import codec
 from kvstore.client.api import StoreClient
 from kvstore.errors import KVStoreError, StoreFull
 from kvstore.keys import BlockKey
+from kvstore.transfer.staging import StagingPool
 
 __all__ = ["SaveResult", "SaveJob", "SaverStats", "Saver"]
 

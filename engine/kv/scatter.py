@@ -27,8 +27,8 @@ def cache_slots(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[list[
     item = kv_cache.element_size()
     base = kv_cache.data_ptr()
     slots = [base + int(b) * kv_cache.stride(2) * item for b in block_ids]
-    offsets = [l * kv_cache.stride(0) * item + kv * kv_cache.stride(1) * item
-               for l in range(kv_cache.shape[0]) for kv in range(2)]
+    offsets = [layer * kv_cache.stride(0) * item + kv * kv_cache.stride(1) * item
+               for layer in range(kv_cache.shape[0]) for kv in range(2)]
     return slots, offsets, kv_cache.stride(2) * item
 
 

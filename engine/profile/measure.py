@@ -39,7 +39,14 @@ from pathlib import Path
 import torch
 
 from engine.profile.format import (
-    Curve, DecodePoint, Hardware, ModelShape, PrefillPoint, Profile, StoreInfo, TransferPoint,
+    Curve,
+    DecodePoint,
+    Hardware,
+    ModelShape,
+    PrefillPoint,
+    Profile,
+    StoreInfo,
+    TransferPoint,
     fit_curve,
 )
 

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 from engine.api.paths import resolve_model_dir
 from engine.worker.config import WorkerConfig
-from kvstore.net.address import advertised_host, join_host_port
 from kvstore import tls as tls_settings
+from kvstore.net.address import advertised_host, join_host_port
 from kvstore.secret import add_secret_flags, is_loopback, resolve
 
 if TYPE_CHECKING:  # imported lazily at run time: `kvengine --help` stays fast
@@ -259,11 +259,11 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
     import torch
 
     from engine.api.generate import WorkerInfo
-    from engine.kv.connector import KVStoreConnector
-    from engine.worker.events import EventStream
     from engine.core.llm_engine import LLMEngine
-    from engine.worker.metrics import WorkerMetrics
+    from engine.kv.connector import KVStoreConnector
     from engine.model.runner import ModelRunner
+    from engine.worker.events import EventStream
+    from engine.worker.metrics import WorkerMetrics
     from engine.worker.role import RoleChanger
     from engine.worker.server import create_app
     from engine.worker.worker import EngineWorker, MeasuredRunner

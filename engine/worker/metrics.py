@@ -7,8 +7,7 @@ counters and histograms are fed per step and per finished request. ``render()`` 
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.api.generate import FINISH_REASONS
 

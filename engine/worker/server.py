@@ -44,16 +44,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.api.generate import (
+    WORKER_ID_HEADER,
+    WORKER_ROLES,
     ApiValidationError,
     GenerateChunk,
     GenerateFinal,
     GenerateRequest,
-    WORKER_ID_HEADER,
-    WORKER_ROLES,
     WorkerInfo,
 )
-from engine.worker.events import EventStream
 from engine.core.llm_engine import BlockKeyMismatch
+from engine.worker.events import EventStream
 from engine.worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from engine.worker.role import RoleBusy, RoleChanger, RolePublishError
 from engine.worker.worker import Draining, EngineWorker

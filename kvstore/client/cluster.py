@@ -53,13 +53,13 @@ from typing import Any, TypeVar
 
 from kvstore import tls as tls_settings
 from kvstore.client.node import Client
+from kvstore.client.placement import Placement, View
 from kvstore.client.read_repair import ReadRepair, RepairItem
 from kvstore.client.transport import Transport, pick
-from kvstore.errors import StoreUnavailable
 from kvstore.coord import layout, settings
 from kvstore.coord.etcd import EtcdClient, client_for
 from kvstore.coord.membership import Membership, MembershipChange
-from kvstore.client.placement import Placement, View
+from kvstore.errors import StoreUnavailable
 from kvstore.net.host_id import local_host_id
 
 __all__ = ["ClusterClient"]

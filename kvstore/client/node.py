@@ -58,15 +58,16 @@ from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
-from kvstore import secret, tls as tls_settings
-from kvstore.net import protocol as P
+from kvstore import secret
+from kvstore import tls as tls_settings
 from kvstore.client import cuda_path, shm_path, tcp_path, ucx_path
 from kvstore.client.transport import TRANSPORTS, Transport
-from kvstore.net.buffers import Dest, source_parts
-from kvstore.net import ucx
-from kvstore.node import cuda_ipc
-from kvstore.net.connection import Connection, Traffic, parse_address
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
+from kvstore.net import protocol as P
+from kvstore.net import ucx
+from kvstore.net.buffers import Dest, source_parts
+from kvstore.net.connection import Connection, Traffic, parse_address
+from kvstore.node import cuda_ipc
 
 __all__ = ["Client", "parse_address"]
 

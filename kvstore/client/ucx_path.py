@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.net import protocol as P, ucx
+from kvstore.net import protocol as P
+from kvstore.net import ucx
 from kvstore.net.buffers import Dest
 from kvstore.net.connection import Connection
 

@@ -37,9 +37,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvstore import tls as tls_settings
-from kvstore.errors import ETCD_START_HINT, EtcdError, EtcdUnavailable, LeaseExpired, WatchCompacted
-from kvstore.coord.encoding import b64 as _b64, prefix_range_end, unb64 as _unb64
+from kvstore.coord.encoding import b64 as _b64
+from kvstore.coord.encoding import prefix_range_end
+from kvstore.coord.encoding import unb64 as _unb64
 from kvstore.coord.watch import Watch, WatchEvent
+from kvstore.errors import ETCD_START_HINT, EtcdError, EtcdUnavailable, LeaseExpired, WatchCompacted
 
 __all__ = [
     "EtcdClient",

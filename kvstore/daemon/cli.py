@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import secret, tls
 from kvstore.daemon import admin
-from kvstore.daemon.store_node import Daemon
 from kvstore.daemon.config import DEFAULT_PORT, ServerConfig, format_size, parse_size
+from kvstore.daemon.store_node import Daemon
 from kvstore.net.limits import ServerLimits
 
 if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-from kvstore.coord.registration import DEFAULT_TTL
 from typing import TYPE_CHECKING
 
+from kvstore.coord.registration import DEFAULT_TTL
 from kvstore.net.address import is_wildcard
 from kvstore.net.limits import ServerLimits
 from kvstore.secret import check_bind

@@ -21,8 +21,8 @@ from kvstore.net.address import advertised_host, is_wildcard, join_host_port
 if TYPE_CHECKING:  # imported when started, so that `kvstore --help` stays quick
     from kvstore.coord.registration import Registration
     from kvstore.daemon.drain import Drainer
-    from kvstore.daemon.repair import Repairer
     from kvstore.daemon.metrics import StoreMetrics
+    from kvstore.daemon.repair import Repairer
     from kvstore.net.server import StoreServer
     from kvstore.node.store import BlockStore
 
@@ -53,10 +53,10 @@ class Daemon:
         self.node_id: str | None = None
 
     def start(self) -> "Daemon":
-        from kvstore.node.arena import remove_stale_arenas
-        from kvstore.daemon.metrics import StoreMetrics
         from kvstore.daemon.identity import resolve_node_id
+        from kvstore.daemon.metrics import StoreMetrics
         from kvstore.net.server import StoreServer, raise_nofile_limit
+        from kvstore.node.arena import remove_stale_arenas
         from kvstore.node.store import BlockStore, StoreConfig
 
         c = self.config

@@ -66,8 +66,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvstore.errors import KVStoreError
-from kvstore.integrations.store_link import StoreLink, StoreSettings
 from kvstore.integrations.lmcache_format import HEADER, decode_header, encode_header, store_key
+from kvstore.integrations.store_link import StoreLink, StoreSettings
 from kvstore.net.buffers import Parts, Sink
 
 __all__ = ["KVStorePlugin", "PluginSettings", "PluginStats"]

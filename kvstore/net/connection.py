@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.net import protocol as P, ucx
-from kvstore.net import sockio
+from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreUnavailable
+from kvstore.net import protocol as P
+from kvstore.net import sockio, ucx
 from kvstore.net.host_id import local_host_id
 from kvstore.node.arena import Arena
 from kvstore.node.shared_index import IndexReader
-from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreUnavailable
 
 __all__ = ["Connection", "Traffic", "parse_address", "TOUCH_KEYS", "TOUCH_DELAY_S"]
 

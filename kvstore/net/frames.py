@@ -28,8 +28,8 @@ import struct
 import threading
 import time
 
-from kvstore.net import protocol as P, tls_io
-from kvstore.net import sockio
+from kvstore.net import protocol as P
+from kvstore.net import sockio, tls_io
 
 __all__ = ["FrameReader", "Close", "FrameTimeout", "RX_BUFFER"]
 

@@ -113,8 +113,15 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from kvstore.errors import (AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull,
-                            StoreUnavailable, Unsupported)
+from kvstore.errors import (
+    AuthError,
+    CorruptBlock,
+    KVStoreError,
+    ProtocolError,
+    StoreFull,
+    StoreUnavailable,
+    Unsupported,
+)
 from kvstore.keys import KEY_BYTES, BlockKey
 
 __all__ = [
@@ -122,7 +129,7 @@ __all__ = [
     "FLAG_RESPONSE", "FLAG_ERROR", "FLAG_NO_REPLY", "Op", "ErrorCode", "Header",
     "pack_header", "unpack_header", "pack_keys", "unpack_keys", "pack_keys_sizes",
     "unpack_keys_sizes", "pack_json", "unpack_json", "pack_error", "error_from_meta",
-    "error_code_for", 
+    "error_code_for",
     "MAX_HELLO_META", "meta_limit", "pack_touch",
     "unpack_touch", "NO_REPLY_OPS", "unpack_sizes", "FLAG_UCX", "UCX_OPS",
     "MAX_UCX_META",

@@ -49,8 +49,8 @@ import numpy as np
 
 from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
 from kvstore.keys import BlockKey
-from kvstore.net import gpu_ops, protocol as P, tls_io
-from kvstore.net import sockio
+from kvstore.net import gpu_ops, sockio, tls_io
+from kvstore.net import protocol as P
 from kvstore.net.frames import Close, FrameReader, FrameTimeout
 from kvstore.net.limits import ServerLimits
 from kvstore.node.store import BlockStore

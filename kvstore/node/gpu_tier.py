@@ -29,8 +29,8 @@ from collections.abc import Hashable, Iterable
 
 import xxhash
 
-from kvstore.node.allocator import Allocator
 from kvstore.keys import BlockKey
+from kvstore.node.allocator import Allocator
 
 __all__ = ["GpuTier", "GpuSlot", "DEFAULT_DEVICE"]
 

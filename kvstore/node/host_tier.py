@@ -28,8 +28,8 @@ import enum
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator
 
-from kvstore.node.allocator import Allocator
 from kvstore.keys import BlockKey
+from kvstore.node.allocator import Allocator
 from kvstore.node.shared_index import SharedIndex
 
 __all__ = ["EntryState", "HostEntry", "HostIndex"]

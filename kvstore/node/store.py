@@ -43,11 +43,11 @@ import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvstore.errors import KVStoreError, StoreFull, StoreUnavailable
+from kvstore.keys import BlockKey
 from kvstore.node.arena import Arena
 from kvstore.node.gpu_share import GpuShare
-from kvstore.errors import KVStoreError, StoreFull, StoreUnavailable
 from kvstore.node.host_tier import EntryState, HostEntry, HostIndex
-from kvstore.keys import BlockKey
 from kvstore.node.shared_index import SharedIndex
 from kvstore.node.ssd_tier import CorruptSsdPolicy, SsdTier, checksum
 from kvstore.node.stats import StoreStats, TierStats

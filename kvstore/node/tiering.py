@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from kvstore.keys import BlockKey
 from kvstore.node.arena import Arena
 from kvstore.node.host_tier import HostEntry, HostIndex
-from kvstore.keys import BlockKey
 from kvstore.node.ssd_tier import SsdTier
 from kvstore.node.stats import StoreStats
 

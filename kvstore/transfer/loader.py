@@ -37,8 +37,8 @@ import torch
 
 from kvstore import codec
 from kvstore.client.scatter import ScatterLoad, ring_slots, scatter_kernel, verify_rows
-from kvstore.transfer.staging import StagingPool
 from kvstore.native.blocks import VERIFY_CODES
+from kvstore.transfer.staging import StagingPool
 
 __all__ = ["CacheTarget", "BlockLoader"]
 

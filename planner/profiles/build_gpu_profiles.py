@@ -50,7 +50,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from engine.profile.format import (
-    Curve, DecodePoint, Hardware, ModelShape, PrefillPoint, Profile, StoreInfo, TransferPoint, fit_curve,
+    Curve,
+    DecodePoint,
+    Hardware,
+    ModelShape,
+    PrefillPoint,
+    Profile,
+    StoreInfo,
+    TransferPoint,
+    fit_curve,
 )
 
 __all__ = ["HERE", "A100_LLAMA3_8B", "build_a100_llama3_8b", "prefill_steps", "main"]

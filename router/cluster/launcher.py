@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -54,10 +53,10 @@ import httpx
 
 from engine.api.paths import resolve_model_dir
 from kvstore import secret as cluster_secret
-from kvstore.errors import KVStoreError
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
 from kvstore.daemon.config import parse_size
+from kvstore.errors import KVStoreError
 from kvstore.proc import free_port
 from kvstore.tls import TLSConfig
 from router.cluster.child import ChildProcess, parse_cpus, port_taken

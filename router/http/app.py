@@ -48,14 +48,28 @@ from kvstore.http_auth import BearerGate, Gate
 from router.config import RouterConfig
 from router.http.bodies import body_schema, document_bodies, read_json_body
 from router.http.choices import ChoiceDelta, run_choice
-from router.http.errors import (BadRequest, HTTPStatus, ModelNotFound, OpenAIError,
-                                ServiceUnavailable, TooManyRequests,
-                                Unauthorized, openai_error)
+from router.http.errors import (
+    BadRequest,
+    HTTPStatus,
+    ModelNotFound,
+    OpenAIError,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unauthorized,
+    openai_error,
+)
 from router.http.openai_responses import ResponseFormatter, ResponseKind
+from router.http.openai_types import (
+    ChatBody,
+    ChatRequest,
+    CompletionBody,
+    CompletionRequest,
+    DetokenizeBody,
+    RequestOptions,
+    TokenizeBody,
+)
 from router.http.respond import respond, stream
 from router.http.state import AppState
-from router.http.openai_types import (ChatBody, ChatRequest, CompletionBody, CompletionRequest,
-                                      DetokenizeBody, RequestOptions, TokenizeBody)
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.placement.errors import PlacementError
 from router.placement.orchestrator import Orchestrator, StorePrefixFn

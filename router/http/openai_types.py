@@ -39,8 +39,16 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from engine.api.generate import MAX_LOGPROBS, SamplingParams

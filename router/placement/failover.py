@@ -58,8 +58,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from engine.api.blocks import blocks_needed
-from engine.api.generate import (FinishReason, GenerateChunk, GenerateFinal, GenerateRequest,
-                                 Phase, RequestStats)
+from engine.api.generate import FinishReason, GenerateChunk, GenerateFinal, GenerateRequest, Phase, RequestStats
 from kvstore.keys import BlockKey
 from router.placement.decode import choose_decode
 from router.placement.errors import NoCapacity

@@ -41,17 +41,6 @@ from typing import Any, Literal
 
 import httpx
 
-from kvstore import tls as tls_settings
-
-from engine.api.generate import (
-    ApiValidationError,
-    GenerateChunk,
-    GenerateFinal,
-    GenerateRequest,
-    WORKER_ID_HEADER,
-    WorkerInfo,
-    parse_generate_line,
-)
 from engine.api.events import (
     LoadEvent,
     LoadFigures,
@@ -59,6 +48,16 @@ from engine.api.events import (
     WorkerEvent,
     parse_event,
 )
+from engine.api.generate import (
+    WORKER_ID_HEADER,
+    ApiValidationError,
+    GenerateChunk,
+    GenerateFinal,
+    GenerateRequest,
+    WorkerInfo,
+    parse_generate_line,
+)
+from kvstore import tls as tls_settings
 from router.workers.kv_index import KvIndex
 
 __all__ = ["WorkerClient", "WorkerError", "WorkerUnavailable", "WorkerRejected", "KeyMismatch"]

@@ -74,8 +74,6 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from kvstore import tls as tls_settings
-
 from engine.api.events import LoadFigures, Snapshot, WorkerEvent
 from engine.api.generate import (
     MAX_LOGIT_BIAS,
@@ -87,6 +85,7 @@ from engine.api.generate import (
     TokenLogprob,
     WorkerInfo,
 )
+from kvstore import tls as tls_settings
 from router.workers.client import WorkerClient, WorkerRejected, WorkerUnavailable
 from router.workers.kv_index import KvIndex
 

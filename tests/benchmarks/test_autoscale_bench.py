@@ -12,9 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.planner.autoscale_bench import (PHASES, Probe, build_parser, calibrate, given, plot, probe,
-                                                read_timeline, shifting_workload, simulate, slots, up_flags,
-                                                verdict)
+from benchmarks.planner.autoscale_bench import (
+    PHASES,
+    Probe,
+    build_parser,
+    calibrate,
+    given,
+    plot,
+    probe,
+    read_timeline,
+    shifting_workload,
+    simulate,
+    slots,
+    up_flags,
+    verdict,
+)
 from engine.profile import format as pf
 from planner.metrics import Slo
 from planner.workloads import TokenSpace

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from planner.metrics import (
-    RequestResult, Slo, attainment_at_scales, distribution, percentile, summarize, summarize_by_tag,
+    RequestResult,
+    Slo,
+    attainment_at_scales,
+    distribution,
+    percentile,
+    summarize,
+    summarize_by_tag,
 )
 
 

@@ -13,7 +13,6 @@ from router.placement.cost import estimate_prefill
 from router.placement.prefill import NEAR_REL, NEAR_S, PrefillPolicy
 
 
-
 def test_quick_run_prints_one_json_line_with_every_field(tmp_path: Path, procs) -> None:
     out = procs.run(
         [sys.executable, "-m", "benchmarks.serving.router_bench", "--quick", "--out", str(tmp_path),

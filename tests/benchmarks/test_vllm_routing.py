@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import zmq
 
-from benchmarks.serving.vllm_routing import COUNTERS, bridge_events, bridge_replay, delta, prometheus_sums, summarize_runs
+from benchmarks.serving.vllm_routing import (
+    COUNTERS,
+    bridge_events,
+    bridge_replay,
+    delta,
+    prometheus_sums,
+    summarize_runs,
+)
 
 PAGE = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from planner.workloads import (
-    DEFAULT_TRACE, ChatSpec, MixedSpec, TokenSpace, TraceSpec, block_tokens, load_trace, poisson_arrivals,
+    DEFAULT_TRACE,
+    ChatSpec,
+    MixedSpec,
+    TokenSpace,
+    TraceSpec,
+    block_tokens,
+    load_trace,
+    poisson_arrivals,
     shared_prefixes,
 )
 

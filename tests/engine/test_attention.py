@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.model import native
 from engine.model.attention import AttentionMetadata, DecodeMetadata, PrefillChunk, paged_attention

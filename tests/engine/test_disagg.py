@@ -21,10 +21,9 @@ import pytest
 import kvstore
 from kvstore.coord import layout
 from kvstore.keys import BlockKey, block_keys, salted
-
+from tests.daemons import DaemonFactory
 from tests.engine.hf_oracle import assert_same_greedy, hf_greedy
 from tests.engine.worker_procs import generate, greedy, metric, start_worker, wait_until
-from tests.daemons import DaemonFactory
 
 pytestmark = pytest.mark.integration
 

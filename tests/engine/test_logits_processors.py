@@ -10,15 +10,18 @@ import random
 
 import pytest
 import torch
-from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                          RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-                          TopPLogitsWarper)
+from transformers import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TopPLogitsWarper,
+)
 
 from engine.core import logits_processors
-from engine.core.llm_engine import LLMEngine
 from engine.core.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.core.sampling import History, SamplingParams, _filter, sample
-
 from tests.engine.hf_oracle import NEAR_TIE, _hf_model
 
 VOCAB = 512

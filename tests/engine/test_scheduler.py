@@ -13,9 +13,9 @@ import pytest
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.connector_api import LoadDone
+from engine.core.request import LoadTally, Request, RequestStatus
 from engine.core.sampling import SamplerOutput, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.request import LoadTally, Request, RequestStatus
 from kvstore.keys import BlockKey, namespace_id
 
 NS = namespace_id({"test": "scheduler"})

@@ -16,7 +16,6 @@ import pytest
 from engine.api.events import LoadFigures, Snapshot, parse_event
 from engine.worker.events import EventStream, RateMeter
 from kvstore.keys import BlockKey, block_keys
-
 from tests.engine.worker_procs import generate, greedy, metric, start_worker, wait_until
 
 BS = 16

@@ -251,7 +251,7 @@ def test_scheduler_plans_chunked_saves_then_a_hit_that_never_includes_the_last_t
     assert side.matched(req2, 32) == (2 * bs, True)  # one block a device hit
     side.allocated(req2, [20, 21, 22, 23], 2 * bs)
     loads, _ = side.build(_output())
-    assert [(l.block_ids, l.keys) for l in loads] == [((21, 22), tuple(keys[1:3]))]
+    assert [(load.block_ids, load.keys) for load in loads] == [((21, 22), tuple(keys[1:3]))]
     assert side.matched(req2, 32) == (0, False)  # its load failed: compute, never load forever
     assert side.matched(_request("c", prompt, salt="other tenant"), 0) == (0, False)
     # A device hit of blocks the store lost (evicted, restarted) is saved again; held ones not.
@@ -271,7 +271,7 @@ def test_a_decode_takes_a_prefills_blocks_from_its_params_and_a_dead_store_match
     assert side.matched(req, 0) == (3 * bs, True)  # nothing stored yet: the load will wait
     side.allocated(req, [1, 2, 3, 4], 3 * bs)
     loads, saves = side.build(_output())
-    assert [(l.block_ids, l.wait_s) for l in loads] == [((1, 2, 3), 7)] and not saves
+    assert [(load.block_ids, load.wait_s) for load in loads] == [((1, 2, 3), 7)] and not saves
     # Its load failed (vLLM asks again, no preemption between): no second load, it computes.
     assert side.matched(req, 0) == (0, False)
     req.num_preemptions = 1   # preempted after a load: the store is asked afresh

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from kvstore import AuthError, Client, ProtocolError
+from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
 from kvstore.net import sockio
-from kvstore.keys import BlockKey
 
 pytestmark = pytest.mark.integration
 

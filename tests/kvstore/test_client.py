@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import AsyncClient, Client, StoreFull, StoreUnavailable
+from kvstore import AsyncClient, Client, StoreUnavailable
 from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
 from kvstore.net.buffers import Parts, Sink

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.client.node import Client
 from kvstore.client.cluster import ClusterClient
-from kvstore.errors import StoreUnavailable
+from kvstore.client.node import Client
+from kvstore.client.placement import Placement
 from kvstore.coord import layout
 from kvstore.coord.etcd import EtcdClient
+from kvstore.errors import StoreUnavailable
 from kvstore.keys import block_keys, namespace_id
-from kvstore.client.placement import Placement
 
 pytestmark = pytest.mark.integration
 

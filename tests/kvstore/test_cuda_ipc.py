@@ -294,7 +294,8 @@ def test_two_processes_move_blocks_through_the_gpu_tier(start_daemon):
 
 def test_the_gpu_checks_section_sizes_smollm2_blocks_and_is_unsupported_without_cuda(tmp_path):
     from gpucheck import ipc
-    from gpucheck.runner import Ctx, Unsupported as SectionUnsupported
+    from gpucheck.runner import Ctx
+    from gpucheck.runner import Unsupported as SectionUnsupported
 
     assert ipc.block_bytes() == 30 * 2 * 16 * 3 * 64 * 2  # layers, K and V, tokens, heads, dim, bf16
     ctx = Ctx(device="cpu", selftest=True, work=tmp_path, out=tmp_path, log_file=None)

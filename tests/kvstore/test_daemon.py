@@ -13,13 +13,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
+from kvstore.coord import layout
+from kvstore.coord.etcd import EtcdClient
+from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
 from kvstore.net import sockio
 from kvstore.net.host_id import local_host_id
 from kvstore.node.arena import SHM_DIR
-from kvstore.coord import layout
-from kvstore.coord.etcd import EtcdClient
-from kvstore.keys import BlockKey
 
 pytestmark = pytest.mark.integration
 

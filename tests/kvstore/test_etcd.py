@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from kvstore.errors import KVStoreError, StoreUnavailable
 from kvstore.coord.etcd import (
     EtcdClient,
     EtcdError,
@@ -16,6 +15,7 @@ from kvstore.coord.etcd import (
     WatchCompacted,
     prefix_range_end,
 )
+from kvstore.errors import KVStoreError, StoreUnavailable
 
 pytestmark = pytest.mark.integration
 

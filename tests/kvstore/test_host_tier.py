@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.node.host_tier import EntryState, HostIndex
 from kvstore.keys import BlockKey
+from kvstore.node.host_tier import EntryState, HostIndex
 
 
 def K(i: int) -> BlockKey:

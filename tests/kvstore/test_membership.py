@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvstore.coord.etcd import EtcdClient, EtcdUnavailable
 from kvstore.coord import layout
+from kvstore.coord.etcd import EtcdClient, EtcdUnavailable
 from kvstore.coord.membership import Membership, MembershipChange
 from kvstore.coord.registration import Registration
 

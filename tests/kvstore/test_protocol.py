@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from kvstore import AuthError, CorruptBlock, KVStoreError, ProtocolError, StoreFull, StoreUnavailable
-from kvstore.net import protocol as P
-from kvstore.net import sockio
 from kvstore.daemon.config import ServerConfig, parse_size
 from kvstore.keys import BlockKey
+from kvstore.net import protocol as P
+from kvstore.net import sockio
 
 KEYS = [BlockKey(bytes([i]) * 16) for i in range(5)]
 

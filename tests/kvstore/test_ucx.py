@@ -11,9 +11,10 @@ import pytest
 
 from kvstore import Client, ProtocolError, StoreUnavailable
 from kvstore.keys import BlockKey
-from kvstore.net import protocol as P, ucx
-from kvstore.net.host_id import local_host_id
+from kvstore.net import protocol as P
+from kvstore.net import ucx
 from kvstore.net.buffers import Sink
+from kvstore.net.host_id import local_host_id
 from tests.kvstore.test_bad_input import closed, raw, read_frame, wait_alone
 
 pytestmark = [pytest.mark.integration,

@@ -11,17 +11,17 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.api.generate import (
-    GenerateFinal,
-    GenerateRequest,
-    RequestStats,
-    WorkerInfo,
-)
 from engine.api.events import (
     BlockEvent,
     LoadEvent,
     LoadFigures,
     Snapshot,
+)
+from engine.api.generate import (
+    GenerateFinal,
+    GenerateRequest,
+    RequestStats,
+    WorkerInfo,
 )
 
 NS = bytes(16)

@@ -17,8 +17,8 @@ import uvicorn
 
 from engine.api.generate import RequestStats
 from kvstore.proc import free_port
-from router.http.app import create_app
 from router.config import RouterConfig
+from router.http.app import create_app
 from router.workers.pool import StaticMembership, WorkerPool
 from tests.router.fake_worker import FakeWorker
 

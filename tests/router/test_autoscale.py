@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from kvstore.secret import bearer_headers
-from router.cluster.autoscaler import AutoscaleSpec, Autoscaler
+from router.cluster.autoscaler import Autoscaler, AutoscaleSpec
 from router.cluster.launcher import LocalCluster
 from router.cluster.levers import Levers
 from router.cluster.supervisor import Supervisor

@@ -18,8 +18,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,25 +27,23 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.api.generate import (GenerateFinal, GenerateRequest, RequestStats, SamplingParams,
-                              WorkerInfo)
+from engine.api.blocks import blocks_needed
 from engine.api.events import LoadFigures
+from engine.api.generate import GenerateFinal, GenerateRequest, RequestStats, SamplingParams, WorkerInfo
 from engine.api.tokenizer import Tokenizer
 from kvstore.keys import BlockKey
 from router.cluster.launcher import ChildProcess, LocalCluster
 from router.metrics import RouterMetrics
-from engine.api.blocks import blocks_needed
 from router.placement.decode import choose_decode, with_room
 from router.placement.errors import NoCapacity
 from router.placement.orchestrator import Orchestrator
 from router.placement.prefill import PrefillPolicy
-from router.request_log import RequestLog
-from router.workers.load import WorkerLoad
 from router.placement.serving import ServeRequest
+from router.request_log import RequestLog
 from router.workers.client import WorkerUnavailable
+from router.workers.load import WorkerLoad
 from router.workers.pool import StaticMembership, WorkerHandle, WorkerPool
-from tests.router.cluster_probe import (Metrics, random_prompt, record, records, scrape,
-                                        wait_until, worker_id)
+from tests.router.cluster_probe import Metrics, random_prompt, record, records, scrape, wait_until, worker_id
 from tests.router.fake_worker import FakeWorker
 
 NO_EOS = {"ignore_eos": True}

@@ -12,8 +12,8 @@ import json
 import os
 import queue
 import re
-import stat
 import signal
+import stat
 import subprocess
 import sys
 import threading

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine.api.generate import TokenLogprob
-from router.http.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
 from router.http.errors import BadRequest, ModelNotFound, ServiceUnavailable, TooManyRequests, Unauthorized
+from router.http.openai_responses import SSE_DONE, ResponseFormatter, sse, usage_json
 from router.http.openai_types import ChatRequest, CompletionRequest
 
 openai_types = pytest.importorskip("openai.types")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api.generate import RequestStats, WorkerInfo
-from engine.api.events import LoadFigures, Snapshot
-from kvstore.keys import block_keys
 from engine.api.blocks import blocks_needed
+from engine.api.events import LoadFigures, Snapshot
+from engine.api.generate import RequestStats, WorkerInfo
+from kvstore.keys import block_keys
 from router.placement.cost import PrefillEstimate
 from router.placement.decode import Balance, choose_decode
 from router.placement.prefill import PrefillPolicy, prefer_local

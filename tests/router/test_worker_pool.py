@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine.api.generate import GenerateFinal, GenerateRequest, SamplingParams
 from engine.api.events import LoadFigures
+from engine.api.generate import GenerateFinal, GenerateRequest, SamplingParams
 from kvstore.keys import block_keys
 from router.workers.client import WorkerClient, WorkerRejected, WorkerUnavailable
 from router.workers.pool import StaticMembership, WorkerPool

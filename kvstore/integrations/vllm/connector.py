@@ -43,10 +43,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.integrations.store_link import StoreLink, StoreSettings
 from kvstore.integrations.vllm.layout import BlockLayout
+from kvstore.integrations.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics, delta
 from kvstore.integrations.vllm.registration import InstanceRegistration, RegisterSettings
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec, for_rank
-from kvstore.integrations.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics, delta
 from kvstore.integrations.vllm.transfers import Transfers, TransferStats
 from kvstore.keys import namespace_id
 from kvstore.weights import files_digest

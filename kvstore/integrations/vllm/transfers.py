@@ -36,11 +36,11 @@ import torch
 
 from kvstore import codec
 from kvstore.errors import KVStoreError
-from kvstore.transfer.loader import BlockLoader
-from kvstore.transfer.staging import StagingPool
 from kvstore.integrations.store_link import StoreLink
 from kvstore.integrations.vllm.layout import BlockLayout
 from kvstore.integrations.vllm.specs import LoadSpec, SaveSpec
+from kvstore.transfer.loader import BlockLoader
+from kvstore.transfer.staging import StagingPool
 
 __all__ = ["Transfers", "TransferStats"]
 
