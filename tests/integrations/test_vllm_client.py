@@ -160,7 +160,9 @@ def test_prefill_then_decode_on_another_instance_equals_one_run(vllm_pd: VllmPD)
 @pytest.mark.slow
 def test_penalties_continue_exactly_over_tokens_produced_elsewhere(vllm_pd: VllmPD) -> None:
     pd, server = vllm_pd, vllm_pd.producer
-    prompt = _prompt(pd, 120, 2000)
+    # A sentence over and over: greedy decoding repeats it, so penalties on what was produced
+    # (here or elsewhere) must turn the output away from it, whatever the docs hold.
+    prompt = pd.tokenizer().encode("The cat sat on the mat by the door. " * 12).ids
     penalized = _greedy(16, frequency_penalty=1.5, presence_penalty=1.5)
     k = 8
 
