@@ -16,10 +16,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from planner.metrics import RequestResult  # noqa: E402
+from planner.metrics import RequestResult
 
 __all__ = ["plot_cdfs", "plot_latency_vs_rate", "plot_goodput_vs_rate", "plot_attainment_vs_slo_scale"]
 

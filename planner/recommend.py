@@ -58,7 +58,7 @@ def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, m
     for chunk in chunks:
         base = WorkerSpec(max_model_len=max_model_len, max_num_batched_tokens=chunk or 2048,
                           enable_chunked_prefill=chunk > 0, max_num_seqs=max_num_seqs, block_size=block_size)
-        share = (lambda k: num_blocks) if per_worker_blocks else (lambda k: num_blocks // k)  # noqa: E731
+        share = (lambda k: num_blocks) if per_worker_blocks else (lambda k: num_blocks // k)
         tag = f"chunk{chunk}" if chunk else "nochunk"
         # One colocated worker with every device, and fleets of smaller ones.
         for k in sorted({1, slots} if not max_colocated else {1, min(slots, max_colocated)}):

@@ -59,7 +59,7 @@ class RouterParts:
         for close in reversed(self.closers):
             try:
                 close()
-            except Exception:  # noqa: BLE001 - closing must go on
+            except Exception:  # closing must go on
                 log.exception("closing a router part failed")
         self.request_log.close()
 

@@ -84,7 +84,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 class _TemplateNamespace(jinja2.utils.Namespace):
     """``namespace()`` that refuses underscore attributes (as HF's)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

@@ -283,7 +283,7 @@ def _worker_parts(cfg: WorkerConfig, sock: socket.socket
                  if clients else None)
     events = EventStream(cfg.event_capacity)
     metrics = WorkerMetrics()
-    trace = (open(cfg.step_trace.replace("{role}", cfg.role).replace("{pid}", str(os.getpid())),  # noqa: SIM115
+    trace = (open(cfg.step_trace.replace("{role}", cfg.role).replace("{pid}", str(os.getpid())),
                   "a", buffering=1) if cfg.step_trace else None)
     engine = LLMEngine(runner, cfg.engine_config(), connector=connector,
                        on_kv_event=events.on_kv_event)
@@ -367,7 +367,7 @@ async def _serve_async(cfg: WorkerConfig, sock: socket.socket, worker: EngineWor
             registration = await asyncio.to_thread(
                 register, cfg.etcd, cfg.cluster, "workers", info.worker_id, value,
                 ttl=cfg.registration_ttl_s)
-        except Exception as exc:  # noqa: BLE001 - EtcdError and transport errors alike
+        except Exception as exc:  # EtcdError and transport errors alike
             server.should_exit = True
             await serving
             raise _StartupError(f"cannot register in etcd at {cfg.etcd}: {exc}") from exc

@@ -164,7 +164,7 @@ class RoleChanger:
         if self.publish is not None:
             try:
                 await asyncio.to_thread(self.publish, info)
-            except Exception as exc:  # noqa: BLE001 - EtcdError and transport errors alike
+            except Exception as exc:  # EtcdError and transport errors alike
                 raise RolePublishError(f"could not register {info.role!r}"
                                        f"{' (draining)' if info.draining else ''} in etcd: {exc}") from exc
         self.info = info

@@ -80,7 +80,7 @@ class ScalingService:
         while True:
             try:
                 self.evaluate()
-            except Exception:  # noqa: BLE001 - never let one bad evaluation end scaling
+            except Exception:  # never let one bad evaluation end scaling
                 log.exception("scaling evaluation failed")
             await asyncio.sleep(self.config.interval_s)
 

@@ -25,7 +25,7 @@ class FakeEtcd(EtcdClient):
         self.granted_ttl = ttl
         return 42
 
-    def put(self, key, value, lease=None) -> int:  # noqa: ANN001
+    def put(self, key, value, lease=None) -> int:
         self.puts.append((key, value, lease))
         return 1
 

@@ -164,7 +164,7 @@ def test_up_refuses_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None
 class _Impostor(http.server.BaseHTTPRequestHandler):
     """Another process's server on the router's port: answers every GET as a healthy router."""
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+    def do_GET(self) -> None:  # the http.server API
         body = json.dumps({"status": "ok", "workers": 99, "data": [{"id": "other"}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
