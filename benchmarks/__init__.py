@@ -25,15 +25,18 @@ flags)::
   planner: the planner's checks against the real thing
     .venv/bin/python -m benchmarks.planner.sim_fidelity      # kvplan's simulator against repeated compare runs
     .venv/bin/python -m benchmarks.planner.recommend_check   # kvplan recommend on compare's workloads against the runs
-    .venv/bin/python -m benchmarks.planner.step_fidelity     # the simulator's step times against a worker's traced steps
+    .venv/bin/python -m benchmarks.planner.step_fidelity     # the simulator's step times against a worker's traced
+                                                             # steps
     .venv/bin/python -m benchmarks.planner.stack_profile     # what the serving stack adds: a profile's serving section
-    .venv/bin/python -m benchmarks.planner.steadiness        # how far this machine's speed moves: one decode step, timed
+    .venv/bin/python -m benchmarks.planner.steadiness        # how far this machine's speed moves: one decode step,
+                                                             # timed
     .venv/bin/python -m benchmarks.planner.fleet_sim         # simulated GPU fleets on the Mooncake trace (a simulation)
     .venv/bin/python -m benchmarks.planner.autoscale_bench   # decode-heavy then prefill-heavy: autoscaled vs static
   chaos
     .venv/bin/python -m benchmarks.chaos.chaos_bench         # a cluster under load while its processes are killed
   peers: other systems beside ours (their drivers and set-ups live there too)
-    .venv/bin/python -m benchmarks.peers.lmcache_bench       # LMCache through our plugin vs its lm:// server and Mooncake
+    .venv/bin/python -m benchmarks.peers.lmcache_bench       # LMCache through our plugin vs its lm:// server and
+                                                             # Mooncake
 
 What they share: ``benchmarks.lifecycle`` (every process a benchmark starts, stopped however
 the benchmark ends; a serving configuration launched and waited for) and ``benchmarks.report``

@@ -153,7 +153,8 @@ class MixedSpec:
             raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
         for p, o in ((self.short_prompt, self.short_output), (self.long_prompt, self.long_output)):
             if p * (1 + self.jitter) + o > space.max_context:
-                raise ValueError(f"prompt {p} (+{self.jitter:.0%}) + output {o} exceeds max_context {space.max_context}")
+                raise ValueError(f"prompt {p} (+{self.jitter:.0%}) + output {o} exceeds max_context "
+                                 f"{space.max_context}")
         content = np.random.default_rng([seed, 1])
         arrivals = poisson_arrivals(num_requests, rate, np.random.default_rng([seed, 2]))
         requests = []
@@ -293,7 +294,8 @@ class TraceSpec:
         return Workload("trace", requests, prewarm=warm, scaling=scaling)
 
 
-def shared_prefixes(history: Sequence[Sequence[int]], window: Sequence[Sequence[int]]) -> list[tuple[int, tuple[int, ...]]]:
+def shared_prefixes(history: Sequence[Sequence[int]],
+                    window: Sequence[Sequence[int]]) -> list[tuple[int, tuple[int, ...]]]:
     """What to pre-warm so that every window request finds its reusable prefix cached.
 
     ``history`` and ``window`` are the requests' block ids (whole blocks only). For each window

@@ -101,7 +101,8 @@ class RouterMetrics:
                                    "The pool's scaling signal over its objective (1: at the objective)",
                                    pool, registry=r)
         self.pool_predicted_ttft = Gauge("kvrouter_pool_predicted_ttft_seconds",
-                                         "Queued prompt tokens over the measured prefill rate, plus one typical prefill",
+                                         "Queued prompt tokens over the measured prefill rate, plus one "
+                                         "typical prefill",
                                          pool, registry=r)
         self.pool_queued_prompt_tokens = Gauge("kvrouter_pool_queued_prompt_tokens",
                                                "Prompt tokens queued for prefill in the pool", pool, registry=r)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up (idempotent), type-check the four packages, and run the whole test suite,
 # slow tests included (the import contracts run inside it: tests/test_architecture.py).
-# A fast subset for development: .venv/bin/pytest -m "not slow"
+# The fast subset for development: .venv/bin/pytest -m "not slow and not integration" (in-process
+# only, about a minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,4 +16,6 @@ for pair in lmcache:lmcache_plugin.py lmcache:lmcache_format.py sglang:sglang_hi
         .venv/bin/pyright --pythonpath "$env/bin/python" "$module"
     fi
 done
+echo "[test] ruff (lint and import order)"
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

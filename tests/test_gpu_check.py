@@ -199,7 +199,8 @@ def test_the_ucx_cuda_section_reads_the_transports_from_ucxs_protocol_tables():
 NEEDS_NO_GPU = {("tests/engine/test_loader.py", "test_dtype_and_device_resolution"),
                 ("tests/test_gpu_check.py", "test_the_profile_hook_runs_kvengine_profile_with_flags_it_takes"),
                 # names a CUDA device (torch.device("cuda", 0)) to ask the split heuristic; allocates nothing
-                ("tests/engine/test_triton_attention.py", "test_splits_fill_the_multiprocessors_only_where_pairs_are_few")}
+                ("tests/engine/test_triton_attention.py",
+                 "test_splits_fill_the_multiprocessors_only_where_pairs_are_few")}
 
 
 def _uses_cuda(node: ast.AST) -> bool:

@@ -2,7 +2,8 @@
 
     python -m benchmarks.chaos.chaos_bench --out results/chaos                 # tiny model, ~2 min
     python -m benchmarks.chaos.chaos_bench --model default --out results/chaos_real
-    python -m benchmarks.chaos.chaos_bench --hosts 3 --replicas 2 --out results/chaos_hosts   # benchmarks.chaos.chaos_hosts
+    python -m benchmarks.chaos.chaos_bench --hosts 3 --replicas 2 --out results/chaos_hosts
+                                                                               # benchmarks.chaos.chaos_hosts
 
 One command: ``kvrouter up`` (2 prefill + 2 decode workers by default; the tiny deterministic
 checkpoint unless ``--model``), then the greedy outputs of a fixed set of prompts recorded one
@@ -78,14 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "its prompt and hands its KV over through the store, which the store kill then tests)")
     p.add_argument("--kills", default=",".join(KINDS),
                    help=f"kinds killed, in order (default {','.join(KINDS)})")
-    p.add_argument("--first-kill-at", type=float, default=10.0, help="seconds into the load of the first kill (default 10)")
+    p.add_argument("--first-kill-at", type=float, default=10.0,
+                   help="seconds into the load of the first kill (default 10)")
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20)")
     p.add_argument("--settle", type=float, default=20.0,
                    help="at most this many seconds past --duration the load goes on while a kill's "
                         "return is not yet measured (default 20)")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds the cluster has to come up (default 300)")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds the cluster has to come up (default 300)")
     from benchmarks.chaos.chaos_hosts import add_flags
     add_flags(p)
     return p
@@ -286,7 +289,8 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
         "bench": "chaos", "model": served, "workers": {"prefill": args.prefill, "decode": args.decode},
         "concurrency": args.concurrency, "duration_s": args.duration, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "salted": not args.no_salt,
-        "routes": dict(Counter(str(r.get("mode")) for r in read_records(cluster.request_log, 0)[0])), "sent": len(results), "succeeded": len(results) - len(failed),
+        "routes": dict(Counter(str(r.get("mode")) for r in read_records(cluster.request_log, 0)[0])),
+        "sent": len(results), "succeeded": len(results) - len(failed),
         "failed": len(failed), "failed_by_status": dict(Counter(r["status"] for r in failed)),
         "failed_examples": [{k: r[k] for k in ("start", "end", "status", "detail")} for r in failed[:5]],
         "differing_outputs": sum(1 for r in results if r["ok"] and r["differs"]),

@@ -231,7 +231,8 @@ async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]
             assert copies is not None
             copies.killed_at = time.time()
             lifecycle.kill_pid(old["pid"])
-            print(f"[chaos] {time.time() - t0:6.1f} s: SIGKILL {victim} (pid {old['pid']})", file=sys.stderr, flush=True)
+            print(f"[chaos] {time.time() - t0:6.1f} s: SIGKILL {victim} (pid {old['pid']})",
+                  file=sys.stderr, flush=True)
             while time.time() < t0 + args.duration + args.settle:
                 now = cluster.state()["children"][victim]
                 if "back_s" not in kill and now["state"] == "running" and now["id"] and now["id"] != old["id"]:

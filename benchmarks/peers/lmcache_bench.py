@@ -329,7 +329,8 @@ def markdown(rec: dict) -> str:
         for name in CONFIGS:
             if n in rec["results"].get(name, {}):
                 a.append(f"| {int(n):,} | {name} | " + " | ".join(
-                    "{gbps:.2f} ({p50_ms:.0f} / {p99_ms:.0f})".format(**rec["results"][name][n][op]) for op in OPS) + " |")
+                    "{gbps:.2f} ({p50_ms:.0f} / {p99_ms:.0f})".format(**rec["results"][name][n][op])
+                    for op in OPS) + " |")
             if name in OURS:
                 b.append(f"| {int(n):,} | {name} | " + " | ".join(
                     f"{rec['ratios'][f'{name}_vs_{p}'][n][op]:.2f}x" if f"{name}_vs_{p}" in rec["ratios"] else "—"
@@ -423,7 +424,8 @@ def run(args: argparse.Namespace) -> dict:
         "bench": "lmcache", "rounds": args.rounds, "seed": args.seed, "prompts": prompts, "chunk_tokens": CHUNK,
         "chunk_bytes": chunk, "memory": args.memory, "local_cpu_gb": args.local_cpu_gb, "warm_rounds": warm,
         "model_shape": {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32"},
-        "versions": {k: next((h[k] for h in hello.values() if h.get(k)), None) for k in ("lmcache", "torch", "mooncake")},
+        "versions": {k: next((h[k] for h in hello.values() if h.get(k)), None)
+                     for k in ("lmcache", "torch", "mooncake")},
         "transports": {n: hello[n].get("transport") for n in OURS if n in hello},
         "machine": machine_info(load_avg=[round(x, 2) for x in os.getloadavg()]),
         "failed": failed, "targets_met": targets(rat, prompts), "ratios": rat, "results": results,

@@ -59,7 +59,8 @@ autoscaled cluster's layout, pressures and role changes over time; attainment ov
 against the best static configuration; goodput per configuration and half) and, per
 configuration, ``OUT/NAME/``: ``up.log``, the cluster's logs (``autoscale.jsonl``: the
 autoscaler's timeline), ``requests.jsonl``, and with ``--step-trace`` each worker's steps. A
-configuration that does not start is an ``error`` (exit status 1). SIGTERM/SIGINT stop what runs (``benchmarks.lifecycle``).
+configuration that does not start is an ``error`` (exit status 1). SIGTERM/SIGINT stop what
+runs (``benchmarks.lifecycle``).
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def run_config(name: str, args: argparse.Namespace, plan: Plan, space: TokenSpac
             for old in cdir.glob("steps-*.jsonl"):
                 old.unlink()
         command = kvrouter_up(args.model, args.port, cdir / "logs", args.store_memory,
-                              up_flags(name, args, plan.slo), step_trace_dir=cdir.resolve() if args.step_trace else None)
+                              up_flags(name, args, plan.slo),
+                              step_trace_dir=cdir.resolve() if args.step_trace else None)
         res["command"] = command.replace(PY, "python")
         launched = Launched(Configuration(name, command=command), open(cdir / "up.log", "w"))
         launched.wait_ready(args.ready_timeout)
@@ -353,7 +355,8 @@ def verdict(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.autoscale_bench", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.autoscale_bench",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("--out", default="results/autoscale", help="run directory (default %(default)s)")
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M) or a checkpoint directory")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, in order (default %(default)s)")
@@ -393,25 +396,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="fix the TPOT objective instead (ms)")
     p.add_argument("--itl-target-share", type=float, default=0.6,
                    help="the autoscaled router's ITL objective as a share of the TPOT SLO (default %(default)s)")
-    p.add_argument("--scale-up-for", type=float, default=5.0, help="the autoscaled router's --scale-up-for (default %(default)s)")
+    p.add_argument("--scale-up-for", type=float, default=5.0,
+                   help="the autoscaled router's --scale-up-for (default %(default)s)")
     p.add_argument("--scale-down-for", type=float, default=15.0, help="its --scale-down-for (default %(default)s)")
     p.add_argument("--scale-cooldown", type=float, default=15.0, help="its --scale-cooldown (default %(default)s)")
     p.add_argument("--scale-window", type=float, default=20.0, help="its --scale-window (default %(default)s)")
     p.add_argument("--scale-prefill-share", type=float, default=0.25,
-                   help="its --scale-prefill-share: the colocated state's tolerated prefill share (default %(default)s)")
+                   help="its --scale-prefill-share: the colocated state's tolerated prefill share "
+                        "(default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=96,
-                   help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them (default %(default)s)")
+                   help="KV blocks of 16 tokens a worker: the decode-heavy half is bound by them "
+                        "(default %(default)s)")
     p.add_argument("--store-memory", default="2G", help="the store daemon's arena (default %(default)s)")
     p.add_argument("--grace-seconds", type=float, default=60.0,
                    help="how long in-flight requests may finish after the workload (default %(default)s)")
-    p.add_argument("--port", type=int, default=8391, help="the router port of every configuration (default %(default)s)")
+    p.add_argument("--port", type=int, default=8391,
+                   help="the router port of every configuration (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument("--vocab-size", type=int, default=TokenSpace().vocab_size,
                    help="prompt ids stay below this: the model's vocabulary (default %(default)s, SmolLM2's)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a cluster has to come up (default %(default)s)")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds a cluster has to come up (default %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUT/autoscale.png")
     p.add_argument("--step-trace", action="store_true",
-                   help="workers write every engine step to OUT/NAME/steps-ROLE-PID.jsonl (kvengine serve --step-trace)")
+                   help="workers write every engine step to OUT/NAME/steps-ROLE-PID.jsonl "
+                        "(kvengine serve --step-trace)")
     p.add_argument("--profile", action="append", default=[], metavar="PATH",
                    help="a `kvengine profile` (repeat per thread count): also simulate every configuration "
                         "(kvplan) on the same workload and objectives, beside the measurement")

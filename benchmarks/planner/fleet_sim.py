@@ -104,7 +104,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
         for name, c in r["curves"].items():
             style = "o-" if name.startswith("split") else "s--"
             axes[0][j].plot([x / n for x in c["rates"]], [g / n for g in c["goodput"]], style, label=c["label"])
-            axes[1][j].plot(c["slo_scales"], c["attainment_at_scale"], style, label=f"{c['label']} @ {c['scale_rate']:g}")
+            axes[1][j].plot(c["slo_scales"], c["attainment_at_scale"], style,
+                            label=f"{c['label']} @ {c['scale_rate']:g}")
         axes[0][j].set_title(f"{n} GPUs: best {r['best']['label']}", fontsize=9)
         axes[0][j].set_xlabel("rate per GPU (req/s)")
         axes[0][j].set_ylabel("goodput per GPU (req/s)")
@@ -120,12 +121,14 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.fleet_sim", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.fleet_sim",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="a GPU profile (default: %(default)s)")
     p.add_argument("--sizes", default="8,16,32,64", help="fleet sizes in GPUs (default %(default)s)")
     p.add_argument("--rates-per-gpu", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.2, 0.3, 0.4],
                    help="request rates per GPU (default 0.1,0.2,0.3,0.4)")
-    p.add_argument("--prefill-shares", default="0.25,0.5,0.75", help="split shares of prefill GPUs (default %(default)s)")
+    p.add_argument("--prefill-shares", default="0.25,0.5,0.75",
+                   help="split shares of prefill GPUs (default %(default)s)")
     p.add_argument("--chunk", type=int, default=2048, help="chunked prefill's per-step tokens (default 2048)")
     p.add_argument("--block-size", type=int, default=64,
                    help="tokens per KV block (default 64: the simulation's cost is per block; 16 is 4x slower)")

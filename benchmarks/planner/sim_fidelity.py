@@ -238,7 +238,8 @@ def table(rec: dict[str, Any]) -> str:
         lines.append(f"| {r['config']} | {r['part']} | {','.join(f'{x:g}' for x in r['rates'])} | "
                      f"{', '.join('none' if m is None else f'{m:g}' for m in r['measured'])} | "
                      f"{'none' if r['sim'] is None else format(r['sim'], 'g')} | {r['verdict']} |")
-    lines += ["", "| part | the simulator's choice | measured best | 90% rate per configuration, measured (each run) | verdict |",
+    lines += ["", "| part | the simulator's choice | measured best | "
+              "90% rate per configuration, measured (each run) | verdict |",
               "| --- | --- | --- | --- | --- |"]
     for c in rec.get("choices", []):
         meas = "; ".join(f"{k}: {', '.join(f'{x:.2g}' for x in v)}" for k, v in c["measured"].items())
@@ -277,7 +278,8 @@ def plot(rec: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.sim_fidelity", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.sim_fidelity",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("--runs", nargs="+", required=True, help="benchmarks.serving.compare output directories (>= 3)")
     p.add_argument("--profile", action="append", default=[], help="kvengine profile files (per thread count)")
     p.add_argument("--profiles-in-runs", nargs="+", default=None, metavar="NAME",

@@ -313,13 +313,15 @@ def batch_sizes(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.stack_profile", description=(__doc__ or "").split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.stack_profile",
+                                description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="the kvengine profile file to add the serving section to")
     p.add_argument("--out", default=None, help="where to write the profile (default: over --profile)")
     p.add_argument("--model", default="default", help="the model kvrouter up serves (the profile's)")
     p.add_argument("--up", default=None,
-                   help="kvrouter up layout flags (default: benchmarks.serving.compare's layout for the profile's threads)")
+                   help="kvrouter up layout flags (default: benchmarks.serving.compare's layout for the "
+                        "profile's threads)")
     p.add_argument("--hops", type=int, default=6, help="unloaded requests for the hop (after one warm-up)")
     p.add_argument("--hop-prompt", type=int, default=32, help="their prompt tokens")
     p.add_argument("--batches", type=batch_sizes, default=[1, 2, 4, 8], help="concurrent requests per round")

@@ -102,12 +102,14 @@ def _cpus(text: str) -> frozenset[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.steadiness", description=(__doc__ or "").split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.steadiness",
+                                description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the split's workers)")
     p.add_argument("--cpus", type=_cpus, default=None,
-                   help="CPUs of the pinned blocks, as kvrouter up takes them: 1, 0,1 or 0-1 (default: the last --threads CPUs)")
+                   help="CPUs of the pinned blocks, as kvrouter up takes them: 1, 0,1 or 0-1 "
+                        "(default: the last --threads CPUs)")
     p.add_argument("--batches", type=batch_sizes, default=[1, 8], help="decode batch sizes (default 1,8)")
     p.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache")
     p.add_argument("--blocks", type=int, default=20, help="timed blocks, alternating free and pinned")

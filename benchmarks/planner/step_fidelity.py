@@ -75,7 +75,8 @@ def compare(costs: StepCosts, lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.step_fidelity", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner.step_fidelity",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("traces", nargs="+", help="step trace files (kvengine serve --step-trace)")
     p.add_argument("--profile", required=True, help="the profile to price the steps with")
     p.add_argument("--block-size", type=int, default=None, help="the workers' block size (default the profile's)")

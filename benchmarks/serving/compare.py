@@ -341,7 +341,8 @@ def build_plan(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, str
     for item in args.part_flags:
         label, sep, flags = item.partition("=")
         if not sep or label not in wanted:
-            raise SystemExit(f"--part-flags takes LABEL=FLAGS for a part this run has ({','.join(wanted)}), got {item!r}")
+            raise SystemExit(f"--part-flags takes LABEL=FLAGS for a part this run has ({','.join(wanted)}), "
+                             f"got {item!r}")
         extra[label] = f"{extra.get(label, '')} {flags}".strip()
     plan = [(part, label, f"{flags} {extra[label]}" if label in extra else flags) for part, label, flags in plan]
     return wanted, plan

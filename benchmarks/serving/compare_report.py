@@ -140,9 +140,11 @@ def tables(fig: dict[str, Any]) -> str:
             lines.append(f"| {n} | {_ms(m['short_tpot_p99_quiet_s'])} | {_ms(m['short_tpot_p99_mixed_s'])} | {ratio} | "
                          f"{_ms(m['short_itl_p99_quiet_s'])} / {_ms(m['short_itl_p99_mixed_s'])} | "
                          f"{_ms(m['long_ttft_p50_s'])} | {m['short_requests'][1]} / {m['long_requests']} | "
-                         + (f"{m['paired']['median']:.2f} / {m['paired']['max']:.2f}" if m.get("paired") else "-") + " |")
-    lines += ["", "| configuration | workload | rate (req/s) | sent | attainment | goodput (req/s) | TTFT p50 / p99 (ms) | "
-              "TPOT p50 / p99 (ms) | max rate at 90% | attainment at 1x / 2x / 3x the objectives |",
+                         + (f"{m['paired']['median']:.2f} / {m['paired']['max']:.2f}" if m.get("paired") else "-")
+                         + " |")
+    lines += ["", "| configuration | workload | rate (req/s) | sent | attainment | goodput (req/s) | "
+              "TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | max rate at 90% | "
+              "attainment at 1x / 2x / 3x the objectives |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for part in ("trace", "trace_salted", "multi_turn"):
         for n, f in cs.items():
@@ -151,10 +153,11 @@ def tables(fig: dict[str, Any]) -> str:
                 continue
             mr = (t["max_rate_90"] or {}).get("tested")
             for p in t["curve"]:
-                lines.append(f"| {n} | {part} | {p['rate']:g} | {p['issued']} | {p['attainment']:.0%} | {p['goodput']:.3f} | "
-                             f"{_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} | {_ms(p['tpot_p50_s'])} / "
-                             f"{_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} | "
-                             + (" / ".join(f"{a:.0%}" for a in p["attainment_at_1x_2x_3x"]) if p["attainment_at_1x_2x_3x"] else "-")
+                lines.append(f"| {n} | {part} | {p['rate']:g} | {p['issued']} | {p['attainment']:.0%} | "
+                             f"{p['goodput']:.3f} | {_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} | "
+                             f"{_ms(p['tpot_p50_s'])} / {_ms(p['tpot_p99_s'])} | {'-' if mr is None else mr} | "
+                             + (" / ".join(f"{a:.0%}" for a in p["attainment_at_1x_2x_3x"])
+                                if p["attainment_at_1x_2x_3x"] else "-")
                              + " |")
     lines += ["", "| configuration | workload | store hit rate | device hit rate | router TTFT p50 (ms) | "
               "P->D KV bytes p50 / p95 (KiB) | transfer / TTFT p50 / p95 | handoff to decode's first token p50 (ms) |",
@@ -198,7 +201,8 @@ def targets(cs: dict[str, Any]) -> list[str]:
     for n, f in cs.items():
         lh = f.get("long_hit") or {}
         if "store_hit_over_cold" in lh:
-            out.append(f"Full store hit of a 2k prompt on {n}: TTFT {lh['store_hit_over_cold']:.1%} of cold (target < 10%)")
+            out.append(f"Full store hit of a 2k prompt on {n}: TTFT {lh['store_hit_over_cold']:.1%} of cold "
+                       "(target < 10%)")
     return out
 
 

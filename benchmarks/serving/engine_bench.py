@@ -32,7 +32,8 @@ def _timeit(fn, repeat: int) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.engine_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.engine_bench",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short prompts, few steps")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch intra-op threads for both implementations (default: all CPUs)")

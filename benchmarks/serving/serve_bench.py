@@ -130,7 +130,8 @@ class PointResult:
     results: list[RequestResult]
 
 
-async def run_point(workload: Workload, cfg: ClientConfig, slo: Slo | None, prewarm_concurrency: int = 4) -> PointResult:
+async def run_point(workload: Workload, cfg: ClientConfig, slo: Slo | None,
+                    prewarm_concurrency: int = 4) -> PointResult:
     """Pre-warm (untimed), then run the workload and summarize it."""
     warm: dict[str, Any] = {"sent": 0}
     if workload.prewarm:
@@ -187,7 +188,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.serve_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.serve_bench",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (loopback only)")
     parser.add_argument("--rate", type=float, default=None,
                         help="requests/s, Poisson (inf: all at once); trace default: its own timing")

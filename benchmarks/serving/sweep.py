@@ -67,7 +67,8 @@ __all__ = ["max_rate_meeting", "main"]
 class _ConfigAction(argparse.Action):
     """``--config``/``--launch NAME=VALUE`` into one ordered list."""
 
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, opt: str | None = None) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
+                 opt: str | None = None) -> None:
         name, sep, rest = str(value).partition("=")
         if not sep or not name or not rest:
             parser.error(f"{opt} wants NAME=VALUE, got {value!r}")
@@ -182,7 +183,8 @@ async def _sweep(args: argparse.Namespace) -> dict[str, Any]:
                     "curve": [{"rate": p["rate"], **point(p["summary"])} for p in r["points"]]}
              for name, r in results.items()}
     return {"bench": "sweep", "workload": args.workload, "rates": rates, "quick": args.quick,
-            "point_seconds": args.point_seconds, "slo_scales": SLO_SCALES, "scale_at_rate": rates[min(scale_at, len(rates) - 1)],
+            "point_seconds": args.point_seconds, "slo_scales": SLO_SCALES,
+            "scale_at_rate": rates[min(scale_at, len(rates) - 1)],
             "scaling": build_workload(args, rates[0], args.seed * 1000).scaling, "machine": machine_info(),
             "configs": brief, "failed": failed, "out": str(out)}
 

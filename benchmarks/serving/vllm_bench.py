@@ -15,12 +15,12 @@ prompt's KV can come back, in one run:
 
 Every instance runs one thread (``OMP_NUM_THREADS=1``), with ``max_tokens=1``, so the time of
 ``generate`` is the time to the first token, and a step budget of 8,192 tokens (a prompt is one
-prefill step: ``ExampleConnector`` saves and loads wrongly across chunks and kills its engine). Per length and round, a fresh seeded prompt of
-random token ids. Also timed in the same process: ``memcpy``, a NumPy copy of the prompt's KV
-bytes (what a hit must move at the least). Figures: the median over rounds of each; the ratios
-``(store_hit - device_hit) / memcpy`` (target: within 2 at every length) and ``cold /
-store_hit`` (target: at least 5 at the longest). One JSON line on stdout, the record and a
-plot (``vllm_ttft.png``) in ``--out``.
+prefill step: ``ExampleConnector`` saves and loads wrongly across chunks and kills its engine).
+Per length and round, a fresh seeded prompt of random token ids. Also timed in the same
+process: ``memcpy``, a NumPy copy of the prompt's KV bytes (what a hit must move at the least).
+Figures: the median over rounds of each; the ratios ``(store_hit - device_hit) / memcpy``
+(target: within 2 at every length) and ``cold / store_hit`` (target: at least 5 at the
+longest). One JSON line on stdout, the record and a plot (``vllm_ttft.png``) in ``--out``.
 """
 
 from __future__ import annotations
@@ -173,8 +173,10 @@ def plot(record: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving.vllm_bench", description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--lengths", default="2000,7500", help="prompt lengths in tokens, comma separated (default 2000,7500)")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving.vllm_bench",
+                                 description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--lengths", default="2000,7500",
+                    help="prompt lengths in tokens, comma separated (default 2000,7500)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh prompts per length (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default 0)")
     ap.add_argument("--out", type=Path, default=Path("results/vllm_bench"), help="where the record, plot and logs go")

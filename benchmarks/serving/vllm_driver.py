@@ -6,8 +6,8 @@ benchmarks/serving/vllm_bench.py.
 Started as ``python -m benchmarks.serving.vllm_driver CONFIG_JSON``; the config names ``model``,
 ``connector`` (``kvstore``, the default; ``example``, vLLM's ``ExampleConnector`` over
 ``storage_path``; ``none``), ``address`` (the daemon), ``secret_file``, ``kv_role``,
-``block_size``, ``prefix_caching``, ``handoff_wait_s``, ``max_model_len``, ``kv_cache_bytes``, ``max_num_batched_tokens``.
-It answers ``{"ready": true}`` once vLLM is up, then per command
+``block_size``, ``prefix_caching``, ``handoff_wait_s``, ``max_model_len``, ``kv_cache_bytes``,
+``max_num_batched_tokens``. It answers ``{"ready": true}`` once vLLM is up, then per command
 ``{"prompts": [[ids...], ...], "max_tokens": n, "kv_transfer_params": {...} | null}``: each
 prompt's greedy token ids, generated one prompt at a time, the seconds each took, and vLLM's
 own counters of where the prompt tokens came from (``prompt_tokens_by_source``: computed,

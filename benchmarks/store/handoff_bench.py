@@ -22,7 +22,8 @@ the request path (TCP bytes sent by the save plus received by the load) in block
 (``hops``: 1.0 for one hop; 4/3 for rendezvous on 3 hosts, approaching 2 with more), and the
 ratios local / owners. In ``local`` the background copy to the owners (the ``Placer``) starts
 a second after the save, as in serving; a round starts once the last one's copies are done,
-and their blocks are counted separately (``placed_blocks``), off the request path. One JSON line; ``--out DIR`` also writes ``DIR/handoff.json`` (docs/results/handoff_hosts.json is one).
+and their blocks are counted separately (``placed_blocks``), off the request path. One JSON
+line; ``--out DIR`` also writes ``DIR/handoff.json`` (docs/results/handoff_hosts.json is one).
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ Implementation (all sampled rows at once, in a few whole-batch tensor passes):
    ``u = xxh3_64(seed, position) / 2**64`` (53 bits): the token is the first whose cumulative
    weight exceeds ``u * total`` (never a token of weight 0). The CDF is two-level (sums of
    256-token chunks, accumulated in float64, then a cumulative sum inside the one chunk that
-   holds the target), so a step costs one ``exp`` and one sum over the batch. This replaces Gumbel-max over per-row ``torch.Generator``
-   noise, which drew ``vocab`` numbers per row (about 35 ms a step at batch 32, vocab 49152,
-   on one CPU thread; now about 5 ms): one counter-based number per row is all inverse-CDF
-   needs, and the hash is the same on every device.
+   holds the target), so a step costs one ``exp`` and one sum over the batch. This replaces
+   Gumbel-max over per-row ``torch.Generator`` noise, which drew ``vocab`` numbers per row
+   (about 35 ms a step at batch 32, vocab 49152, on one CPU thread; now about 5 ms): one
+   counter-based number per row is all inverse-CDF needs, and the hash is the same on every
+   device.
 
 Requests without a seed get one at admission (:func:`with_seed`), and it is reported back.
 

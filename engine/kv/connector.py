@@ -13,10 +13,11 @@ Data path (keys and block ids; usable without an engine):
   over TCP) and copied straight into its slot of a contiguous CPU cache, or into a pooled
   pinned ring whose verified rows go to a CUDA cache in groups of asynchronous copies
   (``kvstore.client.scatter``; reused by a later load once its copies are done). Without the
-  native kernel the blocks land in a pooled buffer and are decoded and copied in Python. It returns the length of the leading run of verified blocks; a missing or
-  corrupt block and everything after it are left for the engine to recompute (their slots
-  may hold verified bytes of later blocks, which the recompute overwrites), and are counted.
-  Unverified bytes never reach the cache.
+  native kernel the blocks land in a pooled buffer and are decoded and copied in Python. It
+  returns the length of the leading run of verified blocks; a missing or corrupt block and
+  everything after it are left for the engine to recompute (their slots may hold verified bytes
+  of later blocks, which the recompute overwrites), and are counted. Unverified bytes never
+  reach the cache.
 - ``save_blocks(keys, block_ids, request_id)`` copies the blocks out of the cache at once (the
   engine may reuse them as soon as it returns) and hands the copy to a background thread that
   skips blocks the store already holds, encodes the rest and puts them in batches, overlapped

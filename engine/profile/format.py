@@ -82,8 +82,8 @@ import numpy as np
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "CURVES", "Hardware", "ModelShape", "StoreInfo", "Fit",
-    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "ServingPrefillPoint", "Profile", "fit_curve", "nonneg_lstsq",
-    "features", "load", "save",
+    "PrefillPoint", "DecodePoint", "TransferPoint", "Curve", "Serving", "ServingPoint", "ServingPrefillPoint",
+    "Profile", "fit_curve", "nonneg_lstsq", "features", "load", "save",
 ]
 
 SCHEMA = "kvengine-profile"

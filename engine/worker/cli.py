@@ -150,7 +150,8 @@ def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
                     help="torch intra-op threads (default: torch's own choice)")
     pr.add_argument("--seed", type=int, default=0, help="seed of prompts, cache contents and keys (default 0)")
     pr.add_argument("--quick", action="store_true",
-                    help="a smaller grid and one repeat per point (about 3 minutes for the default model on 2 busy cores)")
+                    help="a smaller grid and one repeat per point (about 3 minutes for the default model "
+                         "on 2 busy cores)")
     pr.add_argument("--chunk", type=int, default=None,
                     help="chunk size of the chunked prefill points (default 512; --quick 128)")
     pr.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -41,7 +41,8 @@ class WorkerMetrics:
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
             self.requests.labels(finish_reason=reason)
         self.rejected = Counter(
-            "kvengine_requests_rejected", "Requests refused (bad input, draining, block keys that differ from this worker's)", ["reason"],
+            "kvengine_requests_rejected",
+            "Requests refused (bad input, draining, block keys that differ from this worker's)", ["reason"],
             registry=r)
         self.step_seconds = Histogram(
             "kvengine_step_seconds", "Engine step time by step kind", ["kind"],

@@ -3,8 +3,9 @@
 - ``POST /generate``: body ``GenerateRequest``; 400 names the bad field or value (malformed
   JSON, ids outside the vocabulary, prompt + max_tokens beyond the context), 503 while the
   worker drains, 409 when the request's ``block_keys`` differ from this worker's keys for the
-  prompt (the prefill worker and this one disagree on model, layout or salt). Otherwise an NDJSON stream of ``GenerateChunk`` lines and one final
-  ``GenerateFinal`` line. A client that disconnects aborts its request.
+  prompt (the prefill worker and this one disagree on model, layout or salt). Otherwise an
+  NDJSON stream of ``GenerateChunk`` lines and one final ``GenerateFinal`` line. A client that
+  disconnects aborts its request.
 - ``POST /abort`` ``{"request_id"}``: abort (idempotent; unknown ids are a no-op).
 - ``GET /events?since=SEQ``: NDJSON stream of events after ``SEQ`` (without ``since``: from
   now on); it ends when the worker shuts down. ``GET /snapshot``: the resync point.
@@ -12,9 +13,10 @@
   ``GET /metrics`` (Prometheus text from the worker's own registry).
 - ``POST /role`` ``{"role": "prefill"|"decode"|"colocated"}``: change the role at run time,
   drained first (``engine.worker.role``): 202 with ``GET /role``'s body once the registration
-  says draining (200 when it took effect at once: the same role, or to ``colocated``), 409 while another change runs, 503 when the
-  worker shuts down or etcd could not be told. ``GET /role``: ``{"role", "target", "state":
-  "serving"|"draining", "in_flight", "draining_s", "changes", "last"}``.
+  says draining (200 when it took effect at once: the same role, or to ``colocated``), 409
+  while another change runs, 503 when the worker shuts down or etcd could not be told.
+  ``GET /role``: ``{"role", "target", "state": "serving"|"draining", "in_flight",
+  "draining_s", "changes", "last"}``.
 
 Authentication: given the cluster secret (``kvstore.secret``), every path but ``/health`` and
 ``/metrics`` requires ``Authorization: Bearer <secret>`` (``kvstore.http_auth.BearerGate``,

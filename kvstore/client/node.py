@@ -12,12 +12,12 @@ settle (absent, SSD- or GPU-resident, a slot that kept changing) and every get w
 (``kvstore.client.shm_path``). Otherwise values travel in PUT/GET frames
 (``kvstore.client.tcp_path``; the frames are ``kvstore.net.protocol``'s), received straight
 into the caller's buffers with scatter reads (one ``recvmsg_into`` fills many blocks; a
-one-block get's header, size and first bytes come in one). On another host, where the daemon serves UCX (``kvstore serve --ucx``), ``ucxx``
-imports here and TLS is off, the values travel as tagged UCX messages instead, from the
-caller's memory into reserved slots and from pinned slots into the caller's buffers
-(``kvstore.client.ucx_path``; the wire in ``kvstore.net.ucx``). ``transport="tcp"``,
-``"shm"`` or ``"ucx"`` forces one path. The socket, handshake and framing live in
-``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
+one-block get's header, size and first bytes come in one). On another host, where the daemon
+serves UCX (``kvstore serve --ucx``), ``ucxx`` imports here and TLS is off, the values travel
+as tagged UCX messages instead, from the caller's memory into reserved slots and from pinned
+slots into the caller's buffers (``kvstore.client.ucx_path``; the wire in ``kvstore.net.ucx``).
+``transport="tcp"``, ``"shm"`` or ``"ucx"`` forces one path. The socket, handshake and framing
+live in ``kvstore.net.connection``; what counts as a buffer in ``kvstore.net.buffers``.
 
 Buffers: anything with the buffer protocol (bytes, bytearray, memoryview, NumPy arrays) and
 torch tensors (CPU tensors in place; a CUDA tensor through a CPU staging copy). A get's

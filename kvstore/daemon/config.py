@@ -51,8 +51,9 @@ class ServerConfig:
     ``port`` 0 binds an ephemeral port (the readiness line reports it). ``advertise_address`` is the
     address other hosts reach the node at (registered in etcd with the bound port; by
     default ``host``, or the host's primary address when ``host`` is a wildcard:
-    ``kvstore.net.address``); ``advertise`` a whole ``host:port`` registered as given. ``auth_token`` is the cluster secret (``kvstore.secret``);
-    without one only a loopback ``host`` is served, unless ``insecure``. ``limits`` are what
+    ``kvstore.net.address``); ``advertise`` a whole ``host:port`` registered as given.
+    ``auth_token`` is the cluster secret (``kvstore.secret``); without one only a loopback
+    ``host`` is served, unless ``insecure``. ``limits`` are what
     one daemon allows its clients (``ServerLimits``: connections, timeouts, the
     per-connection reservation cap, serving threads). ``on_corrupt_ssd``: what a damaged
     SSD tier at start does ("move-aside": moved to a named directory beside it, started

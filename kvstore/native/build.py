@@ -2,10 +2,11 @@
 
 ``build_library(source, ...)`` compiles ``source`` with ``$CC`` (else ``cc``/``gcc``) into
 ``native_home()/<digest>/<stem>.so``, the digest covering the source (and the local headers
-it includes, ``#include "x.h"`` beside it), the flags, the compiler's version and the CPU (``-march=native`` code never runs on a different CPU sharing the cache),
-publishes it atomically (concurrent builders each write a whole library) and loads it.
-Nothing is built at import time. ``Library`` memoizes one attempt per process: ``get()`` is the
-loaded library or None, with ``why`` saying what failed (logged once).
+it includes, ``#include "x.h"`` beside it), the flags, the compiler's version and the CPU
+(``-march=native`` code never runs on a different CPU sharing the cache), publishes it
+atomically (concurrent builders each write a whole library) and loads it. Nothing is built at
+import time. ``Library`` memoizes one attempt per process: ``get()`` is the loaded library or
+None, with ``why`` saying what failed (logged once).
 """
 
 from __future__ import annotations

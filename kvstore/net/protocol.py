@@ -97,11 +97,11 @@ limit (``meta_limit``: the largest meta the op can carry, ``MAX_HELLO_META`` for
 STATS) from the header alone, before anything is read or allocated. A PUT (or a RESERVE,
 with what the connection already holds reserved) larger than the HELLO response's
 ``max_data`` (the daemon's per-connection cap on in-flight reservations) fails with
-STORE_FULL; clients split puts to fit it. Bad input — wrong magic or version, an unknown op, an absurd length, a malformed
-meta, sizes that do not add up to the data length, a truncated frame (EOF or an I/O timeout
-mid-frame, or a frame not complete within the daemon's frame deadline) — gets a PROTOCOL error frame where the stream is still readable, and the daemon
-then closes that one connection, releasing its reservations and pins. Every other connection
-is unaffected.
+STORE_FULL; clients split puts to fit it. Bad input — wrong magic or version, an unknown op, an
+absurd length, a malformed meta, sizes that do not add up to the data length, a truncated frame
+(EOF or an I/O timeout mid-frame, or a frame not complete within the daemon's frame deadline) —
+gets a PROTOCOL error frame where the stream is still readable, and the daemon then closes that
+one connection, releasing its reservations and pins. Every other connection is unaffected.
 """
 
 from __future__ import annotations

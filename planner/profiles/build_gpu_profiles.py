@@ -253,7 +253,8 @@ def same(a: object, b: object, rel: float = 1e-9) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner.profiles.build_gpu_profiles",
-                                     description="Build planner/profiles/*.json from the published numbers beside them.")
+                                     description="Build planner/profiles/*.json from the published numbers "
+                                                 "beside them.")
     parser.add_argument("--check", action="store_true", help="compare with the shipped file instead of writing it")
     parser.add_argument("--extract-mlp", type=Path, metavar="MLP_CSV",
                         help="first refresh the MLP table from Vidur's full mlp.csv")

@@ -14,11 +14,11 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, with the router's
-tokenizer; ``vllm bench serve`` checks its prompts' lengths with them), ``GET /health`` (each dependency: etcd, the store, the workers by role;
-``degraded`` when one is down; 503 only while no worker can decode), ``GET /metrics``,
-``GET /admin/scaling`` (the per-pool scaling signals and desired counts as JSON,
-``router.scaling.service``; it needs the cluster secret as ``Authorization: Bearer``, or,
-in a cluster without one, what every other path needs). Every
+tokenizer; ``vllm bench serve`` checks its prompts' lengths with them), ``GET /health`` (each
+dependency: etcd, the store, the workers by role; ``degraded`` when one is down; 503 only while
+no worker can decode), ``GET /metrics``, ``GET /admin/scaling`` (the per-pool scaling signals
+and desired counts as JSON, ``router.scaling.service``; it needs the cluster secret as
+``Authorization: Bearer``, or, in a cluster without one, what every other path needs). Every
 error, routing's 404 and 405 included, is an OpenAI error body with its status. With
 ``config.api_key`` set, everything but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer <key>`` (both checks: ``kvstore.http_auth.BearerGate``, the worker's

@@ -25,8 +25,8 @@ def test_the_objectives_compare_fixed_are_stripped_from_the_sweep_flags() -> Non
 
 def test_each_runs_own_simulation_combines_into_the_median_prediction() -> None:
     def rec(ttft: float, tpot: float | None, att: float, tested: float | None) -> dict:
-        summary = {"ttft_s": {"p50": ttft, "p90": 2 * ttft}, "tpot_s": None if tpot is None else {"p50": tpot, "p90": tpot},
-                   "attainment": att}
+        summary = {"ttft_s": {"p50": ttft, "p90": 2 * ttft},
+                   "tpot_s": None if tpot is None else {"p50": tpot, "p90": tpot}, "attainment": att}
         return {"slo": {"first": ttft}, "points": [{"rate": 0.2, "summary": summary}],
                 "max_rate_90": {"tested": tested, "interpolated": tested}}
 
@@ -61,7 +61,8 @@ def test_recommend_check_gives_the_planner_the_sweeps_workload_and_compares_budg
             "--rates", "0.1,0.3,0.5", "--point-seconds", "40", "--ttft-slo-per-length",
             "--ttft-slo-ms", "900", "--tpot-slo-ms", "120"]
     args = rc.recommend_args(argv, ["t1.json", "t2.json"])
-    assert (args.workload, args.rates, args.point_seconds, args.ttft_slo_per_length) == ("trace", "0.1,0.3,0.5", 40, True)
+    assert (args.workload, args.rates, args.point_seconds, args.ttft_slo_per_length) == (
+        "trace", "0.1,0.3,0.5", 40, True)
     assert args.ttft_slo_ms is None and args.tpot_slo_ms is None    # the planner derives its own
     assert (args.devices, args.max_colocated, args.chunks, args.profile) == (2, 1, "0,256", ["t1.json", "t2.json"])
 

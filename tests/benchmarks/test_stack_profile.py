@@ -77,8 +77,9 @@ def test_a_real_stack_on_the_tiny_model_writes_its_section(tmp_path: Path) -> No
                           "--seed", "3", "--out", str(prof)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     out = tmp_path / "served.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner.stack_profile", "--profile", str(prof), "--out", str(out),
-                           "--model", str(tiny_model_dir), "--up", "--mode colocated --threads-per-worker 1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.planner.stack_profile", "--profile", str(prof),
+                           "--out", str(out), "--model", str(tiny_model_dir),
+                           "--up", "--mode colocated --threads-per-worker 1",
                            "--batches", "1,4", "--rounds", "1", "--hops", "2", "--prompt", "32", "--output", "12",
                            "--probes", "2", "--probe-prompt", "96", "--probe-gap-s", "0.4", "--probe-output", "40",
                            "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -23,7 +23,8 @@ def test_the_summary_is_each_modes_median_of_block_medians_and_their_spread() ->
               {"mode": "free", "median_ms": {1: 110.0, 8: 230.0}}]
     out = steadiness.summarize(blocks, args)
     one, eight = out["batches"]["1"], out["batches"]["8"]
-    assert one["free_ms"] == 110.0 and one["pinned_ms"] == 100.0 and one["pinned_over_free"] == pytest.approx(0.909, abs=1e-3)
+    assert (one["free_ms"] == 110.0 and one["pinned_ms"] == 100.0
+            and one["pinned_over_free"] == pytest.approx(0.909, abs=1e-3))
     assert one["free_spread"] == pytest.approx(1.2) and one["pinned_spread"] == pytest.approx(110 / 90, abs=1e-3)
     assert eight["free_ms"] == 220.0 and eight["pinned_ms"] == 200.0
     assert out["blocks"] == 5 and out["per_block_ms"][1] == ["pinned", {"1": 90.0, "8": 210.0}]

@@ -69,7 +69,8 @@ def test_sweep_runs_each_configuration_over_the_rates(tmp_path, capsys):
     assert rec["configs"]["launched"]["slo"] == first["slo"]
     assert first["slo"]["ttft_s"] == pytest.approx(5 * first["unloaded"]["ttft_s"])
     lines = [json.loads(x) for x in (out / "sweep.jsonl").read_text().splitlines()]
-    assert [(x["config"], x["rate"]) for x in lines] == [("running", 4), ("running", 8), ("launched", 4), ("launched", 8)]
+    assert [(x["config"], x["rate"]) for x in lines] == [("running", 4), ("running", 8),
+                                                           ("launched", 4), ("launched", 8)]
     reqs = {(x["config"], x["rate"]): x for x in lines}  # warm-up + 1 unloaded, then the points
     assert received == 2 + reqs[("running", 4)]["summary"]["issued"] + reqs[("running", 8)]["summary"]["issued"]
     for name in ("latency_vs_rate", "goodput_vs_rate", "goodput_vs_slo_scale"):

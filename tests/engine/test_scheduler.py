@@ -147,7 +147,8 @@ def test_abort_frees_everything_and_is_idempotent() -> None:
 
 def test_stop_conditions() -> None:
     s = make()
-    a, b, c = new_request("a", 3, 0.0), new_request("b", 3, 1.0, stop_token_ids=(7,), ignore_eos=True), new_request("c", 3, 2.0, ignore_eos=True, max_tokens=2)
+    a, b, c = (new_request("a", 3, 0.0), new_request("b", 3, 1.0, stop_token_ids=(7,), ignore_eos=True),
+               new_request("c", 3, 2.0, ignore_eos=True, max_tokens=2))
     for x in (a, b, c):
         s.add(x)
     step(s, token=EOS)

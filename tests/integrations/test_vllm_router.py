@@ -57,7 +57,8 @@ def test_openai_client_through_the_router_prefills_on_one_vllm_and_decodes_on_th
     direct = httpx.post(pd.producer.url + "/v1/completions", headers=pd.headers, timeout=300,
                         json={"model": pd.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                               "temperature": 0}).json()
-    assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_prompt // pd.block_size * pd.block_size - pd.block_size
+    assert (direct["usage"]["prompt_tokens_details"]["cached_tokens"]
+            >= n_prompt // pd.block_size * pd.block_size - pd.block_size)
     assert text == direct["choices"][0]["text"]
 
     # Streamed chat through the router: the same path, text as vLLM's.

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.store.store_bench`` as a user runs it (from the repository root): a tiny run, and --peer mooncake's clear failure."""
+"""``python -m benchmarks.store.store_bench`` as a user runs it (from the repository root): a tiny
+run, and --peer mooncake's clear failure."""
 
 import json
 import subprocess

@@ -30,12 +30,15 @@ def test_the_shipped_profile_loads_with_its_sources(profile):
     assert set(profile.curves) == set(CURVES)
     m = profile.model
     assert (m.name, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == ("Meta-Llama-3-8B", 32, 32, 8, 128)
-    assert (m.hidden_size, m.intermediate_size, m.vocab_size, m.dtype, m.block_size) == (4096, 14336, 128256, "bfloat16", 16)
+    assert (m.hidden_size, m.intermediate_size, m.vocab_size, m.dtype, m.block_size) == (
+        4096, 14336, 128256, "bfloat16", 16)
     assert m.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2 and m.block_bytes == 16 * m.kv_bytes_per_token
     hw = profile.hardware
     assert hw.device == "cuda" and hw.threads == 1 and "A100" in hw.device_name and "flashinfer" in hw.native_attention
-    assert "microsoft/vidur" in profile.extra["source"]["compute"] and build.VIDUR_COMMIT in profile.extra["source"]["compute"]
-    assert "kvcache-ai/Mooncake" in profile.store.how and build.MOONCAKE_COMMIT in profile.extra["source"]["kv_transfer"]
+    assert ("microsoft/vidur" in profile.extra["source"]["compute"]
+            and build.VIDUR_COMMIT in profile.extra["source"]["compute"])
+    assert ("kvcache-ai/Mooncake" in profile.store.how
+            and build.MOONCAKE_COMMIT in profile.extra["source"]["kv_transfer"])
     for name in ("vidur_a100_llama3_8b_mlp.csv", "vidur_a100_llama3_8b_attention.csv", "mooncake_vllm_pd_transfer.csv"):
         head = (build.HERE / name).read_text().splitlines()[0]
         assert head.startswith("#") and "github.com/" in head  # each table names where it is from

@@ -19,8 +19,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# A Llama-2-style template: bos_token in scope, raise_exception, whitespace control.
-LLAMA_TEMPLATE = """{% if messages[0]['role'] == 'system' %}
+# A Llama-2-style template: bos_token in scope, raise_exception, whitespace control (its long
+# line split into two adjacent literals).
+LLAMA_TEMPLATE = ("""{% if messages[0]['role'] == 'system' %}
     {% set system = messages[0]['content'] %}
     {% set messages = messages[1:] %}
 {% else %}
@@ -31,11 +32,12 @@ LLAMA_TEMPLATE = """{% if messages[0]['role'] == 'system' %}
         {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
     {% endif %}
     {% if message['role'] == 'user' %}
-        {{ bos_token + '[INST] ' + (('<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n') if loop.first and system else '') + message['content'] | trim + ' [/INST]' }}
+        {{ bos_token + '[INST] ' + (('<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n') if loop.first and system else '')"""
+                  """ + message['content'] | trim + ' [/INST]' }}
     {% else %}
         {{ ' ' + message['content'] | trim + ' ' + eos_token }}
     {% endif %}
-{% endfor %}"""
+{% endfor %}""")
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

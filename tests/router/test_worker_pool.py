@@ -186,7 +186,8 @@ def test_a_worker_joining_a_warm_pool_starts_from_its_peers_costs_and_is_chosen(
                 server.url, cluster, "workers", "warm", warm.info.to_etcd_value(), ttl=30.0)))
             await _until(lambda: pool.get("warm") is not None)
             for n in (40, 40, 80, 40, 120):
-                pool.get("warm").load.observe_stats(RequestStats(computed_prompt_tokens=n, prefill_s=0.001 + n * 2.5e-5))
+                pool.get("warm").load.observe_stats(RequestStats(computed_prompt_tokens=n,
+                                                                 prefill_s=0.001 + n * 2.5e-5))
             learned = pool.get("warm").load.prefill_cost
             regs.append(await asyncio.to_thread(lambda: register(
                 server.url, cluster, "workers", "fresh", fresh.info.to_etcd_value(), ttl=30.0)))
