@@ -13,33 +13,34 @@ import numpy as np
 import pytest
 
 from benchmarks.serving import interference_bench as ib
+from benchmarks.serving import interference_figures as fig
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_itl_is_each_streams_gaps_between_consecutive_tokens():
     times = {"a": [0.0, 0.1, 0.25, 0.3], "b": [0.0, 0.1, 0.25], "c": [1.0]}
-    assert ib.stream_gaps(times) == pytest.approx([0.1, 0.15, 0.05, 0.1, 0.15])
+    assert fig.stream_gaps(times) == pytest.approx([0.1, 0.15, 0.05, 0.1, 0.15])
     # a step that computed an arrival ends gaps in every stream; skipping it drops them all
-    assert ib.stream_gaps(times, {0.25}) == pytest.approx([0.1, 0.05, 0.1])
-    assert ib.stream_gaps({}) == []
+    assert fig.stream_gaps(times, {0.25}) == pytest.approx([0.1, 0.05, 0.1])
+    assert fig.stream_gaps({}) == []
 
 
 @pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
 def test_percentile_is_numpys_linear_one(q):
     xs = list(np.random.default_rng(3).exponential(size=37))
-    assert ib.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
-    assert ib.percentile([5.0], q) == 5.0
+    assert fig.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert fig.percentile([5.0], q) == 5.0
 
 
 def test_percentile_of_nothing_fails():
     with pytest.raises(ValueError):
-        ib.percentile([], 50)
+        fig.percentile([], 50)
 
 
 def test_run_figures_in_ms_with_the_in_flight_share():
     gaps = [0.01] * 98 + [0.05, 0.1]
-    f = ib.run_figures(gaps, gaps[:98], [0.01] * 50, ttfts=[0.2, 0.4], window_s=2.0, load_s=0.5)
+    f = fig.run_figures(gaps, gaps[:98], [0.01] * 50, ttfts=[0.2, 0.4], window_s=2.0, load_s=0.5)
     assert f["p50_itl_ms"] == 10.0 and f["p99_itl_ms"] == pytest.approx(50.5)
     assert f["decode_p99_itl_ms"] == 10.0 and f["decode_gaps"] == 98 and f["gaps"] == 100
     assert f["step_ms"] == 10.0 and f["steps"] == 50
@@ -48,11 +49,11 @@ def test_run_figures_in_ms_with_the_in_flight_share():
 
 
 def test_excess_cut():
-    assert ib.excess_cut(1.5, 1.1) == pytest.approx(0.8)
-    assert ib.excess_cut(2.0, 1.0) == pytest.approx(1.0)
-    assert ib.excess_cut(1.2, 0.9) == pytest.approx(1.5)   # the new path beat the baseline
-    assert ib.excess_cut(1.2, 1.5) == pytest.approx(-1.5)  # ... or made it worse
-    assert ib.excess_cut(1.0, 1.1) is None and ib.excess_cut(0.9, 1.0) is None
+    assert fig.excess_cut(1.5, 1.1) == pytest.approx(0.8)
+    assert fig.excess_cut(2.0, 1.0) == pytest.approx(1.0)
+    assert fig.excess_cut(1.2, 0.9) == pytest.approx(1.5)   # the new path beat the baseline
+    assert fig.excess_cut(1.2, 1.5) == pytest.approx(-1.5)  # ... or made it worse
+    assert fig.excess_cut(1.0, 1.1) is None and fig.excess_cut(0.9, 1.0) is None
 
 
 def _run(p50: float, p99: float, ttft: float | None, step: float = 50.0,
@@ -63,7 +64,7 @@ def _run(p50: float, p99: float, ttft: float | None, step: float = 50.0,
 
 
 def test_compare_against_the_baseline_of_the_same_run():
-    c = ib.compare(_run(50, 100, 80), _run(55, 200, 300), _run(51, 110, 320))
+    c = fig.compare(_run(50, 100, 80), _run(55, 200, 300), _run(51, 110, 320))
     assert c["old_p99_itl_ratio"] == 2.0 and c["new_p99_itl_ratio"] == 1.1
     assert c["old_p50_itl_ratio"] == 1.1 and c["new_p50_itl_ratio"] == 1.02
     assert c["excess_old"] == 1.0 and c["excess_new"] == pytest.approx(0.1)
@@ -84,7 +85,7 @@ def test_summary_targets_and_met_flags():
                 "n16": {"baseline": _run(50, 100, 80), "old": _run(50, 95, 300),
                         "new": _run(51, 99, 300)}},                   # no old excess, none new
     }
-    s = ib.summarize(runs)
+    s = fig.summarize(runs)
     assert s["before"]["shm"]["n4"]["p99_itl_ratio"] == 2.0
     assert s["after"]["shm"]["n4"]["p99_itl_ratio"] == 1.1
     assert s["after"]["tcp"]["n16"]["inflight_frac"] == 0.3
@@ -104,10 +105,10 @@ def test_summary_targets_and_met_flags():
 
 
 def test_segments_interleave_the_three_runs_in_rotating_order():
-    order = ib.segment_order(4)
+    order = fig.segment_order(4)
     assert order[:3] == ["baseline", "old", "new"] and order[3:6] == ["old", "new", "baseline"]
     assert order[6:9] == ["new", "baseline", "old"] and order[9:] == ["baseline", "old", "new"]
-    assert all(order.count(m) == 4 for m in ib.MODES)
+    assert all(order.count(m) == 4 for m in fig.MODES)
 
 
 def test_odd_arrivals_are_refused():
