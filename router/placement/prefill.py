@@ -4,11 +4,13 @@
 + prefill of the uncached tokens + store load of the store-hit ones, device hits from the
 :class:`~router.workers.kv_index.KvIndex`, store hits counted by the caller); estimates within
 ``NEAR_S`` or ``NEAR_REL`` of the lowest count as equal, and of those the worker holding the
-most of the prompt in its device cache wins (the estimates rest on costs learned from noisy
-timings: a difference below their noise must not move a prompt off the worker that holds it,
-duplicating its blocks in another cache);
-``least-loaded`` picks the fewest queued+running requests; ``round-robin`` rotates. Ties
-break on worker id, so choices are deterministic. A failed prefill's retry goes to the other
+most of the prompt in its device cache wins, then the least loaded, and workers still equal
+take turns (the estimates rest on costs learned from noisy timings: a difference below their
+noise must neither move a prompt off the worker that holds it, duplicating its blocks in
+another cache, nor send every prompt to one of two idle workers, leaving the other unused and
+its costs unlearned, as a worker back from a restart was);
+``least-loaded`` picks the fewest queued+running requests, ties broken on the estimate, then
+the worker id; ``round-robin`` rotates. A failed prefill's retry goes to the other
 prefill worker with the least queued prefill (:func:`choose_retry`). ``auto`` mode prefills
 on the decode worker itself when the part it would compute is short (:func:`prefer_local`).
 """
@@ -29,7 +31,8 @@ __all__ = ["PrefillPolicyName", "PREFILL_POLICIES", "PrefillPolicy", "choose_ret
 PrefillPolicyName = Literal["kv-aware", "least-loaded", "round-robin"]
 PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("kv-aware", "least-loaded", "round-robin")
 NEAR_S = 0.02     # kv-aware: estimates within 20 ms of the lowest ...
-NEAR_REL = 0.1    # ... or within 10% of it are equal; then the most device hits wins
+NEAR_REL = 0.1    # ... or within 10% of it are equal; then the most device hits, the least
+                  # load, and turns
 
 
 class PrefillPolicy:
@@ -63,10 +66,11 @@ class PrefillPolicy:
         if self.name == "kv-aware":
             low = min(ttfts)
             near = low + max(NEAR_S, NEAR_REL * low)
-            # equal estimates: the most device hits, the lowest estimate, the least loaded,
-            # then the lowest worker id
-            i = min((i for i, t in enumerate(ttfts) if t <= near),
-                    key=lambda i: (-depths[ids[i]], ttfts[i], candidates[i].load, ids[i]))
+            # equal estimates: the most device hits, the least loaded, then turns
+            best = min((-depths[ids[i]], candidates[i].load) for i, t in enumerate(ttfts) if t <= near)
+            tied = sorted((i for i, t in enumerate(ttfts)
+                           if t <= near and (-depths[ids[i]], candidates[i].load) == best), key=lambda i: ids[i])
+            i = tied[next(self._counter) % len(tied)] if len(tied) > 1 else tied[0]
         else:
             i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
         return candidates[i], ests[i]
