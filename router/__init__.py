@@ -6,15 +6,15 @@ Building blocks, one noun a module::
                 responses, SSE); errors: OpenAI errors and the one mapping of failures to
                 statuses; choices: one choice's text; app: the FastAPI app
     placement/  serving: the Serving contract (ServeRequest -> token stream); route: Route,
-                Plan; cost: the TTFT estimate; prefill / decode: the two choices;
+                Plan, Mode; cost: the TTFT estimate; prefill / decode: the two choices;
                 orchestrator: plan + the serving loop; failover: one choice's state, retries,
-                resumes; errors: NoCapacity
+                resumes; request_log: the per-request record and its sink; errors: NoCapacity
     workers/    client, pool: the worker HTTP API, the etcd-fed set of live workers; kv_index:
                 which worker holds which block keys; load, fit: the books on each worker;
                 store: the KV store as the router sees it (lookups, probes, up or down)
     text/       detokenizer: token ids -> stable text, stop strings
     cluster/    launcher: ``kvrouter up``
-    metrics, config, request_log   Prometheus collectors; RouterConfig; the per-request log
+    metrics, config   Prometheus collectors and RecentWindow; RouterConfig
 
 Usage::
 

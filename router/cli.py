@@ -63,8 +63,9 @@ class _Stop(BaseException):
 
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.secret import add_secret_flags
-    from router.config import MODES, RouterConfig
+    from router.config import RouterConfig
     from router.placement.prefill import PREFILL_POLICIES
+    from router.placement.route import MODES
 
     d = RouterConfig(model_dir="default")
     from kvstore.tls import add_tls_flags

@@ -7,17 +7,14 @@ The CLI (``kvrouter serve`` / ``up``), the environment and files all build a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from router.placement.balance import Balance
 from router.placement.prefill import PREFILL_POLICIES, PrefillPolicyName
+from router.placement.route import MODES, Mode
 from router.scaling.policy import ScalingConfig
 from router.workers.fit import RateConfig
 
-__all__ = ["RouterConfig", "Mode", "MODES"]
-
-Mode = Literal["disaggregated", "colocated", "auto"]
-MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "auto")
+__all__ = ["RouterConfig"]
 
 
 @dataclass(frozen=True)

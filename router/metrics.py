@@ -18,9 +18,16 @@ pool's worker-time spent computing a prompt, over the recent window),
 ``kvrouter_pool_kv_utilization`` and
 ``kvrouter_pool_itl_seconds`` (decode: the mean inter-token latency of the recent window;
 every ``itl`` observation also lands in ``recent_itl``, a ``RecentWindow``).
+
+``RecentWindow`` (a bounded, clock-injected window of recent samples) lives here, below
+``router.scaling``, which reads it.
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -32,12 +39,61 @@ from prometheus_client import (
 )
 
 from engine.api.generate import RequestStats
-from router.scaling.window import RecentWindow
 
-__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["RouterMetrics", "RecentWindow", "CONTENT_TYPE_LATEST"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class RecentWindow:
+    """The mean of the samples of the last N seconds, in bounded memory (the router's
+    inter-token latencies; the scaling service's busy time per pool).
+
+    Samples are summed into one-second buckets (a deque of at most ``horizon_s`` of them), so
+    a stream of thousands of inter-token gaps a second costs one addition each and the memory
+    is a function of the horizon alone. ``mean(window_s)`` is over the buckets whose second
+    falls within the last ``window_s`` seconds (the current, partial one included). The clock
+    is injected (``time.monotonic`` by default), so tests drive it."""
+
+    def __init__(self, horizon_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if horizon_s < 1:
+            raise ValueError(f"horizon_s must be >= 1, got {horizon_s}")
+        self.horizon_s = horizon_s
+        self._clock = clock
+        self._buckets: deque[list[float]] = deque()   # [second, sum, count], oldest first
+
+    def add(self, value: float) -> None:
+        second = float(int(self._clock()))
+        if self._buckets and self._buckets[-1][0] == second:
+            bucket = self._buckets[-1]
+            bucket[1] += value
+            bucket[2] += 1
+        else:
+            self._buckets.append([second, value, 1])
+            self._prune(second)
+
+    def _prune(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self.horizon_s:
+            self._buckets.popleft()
+
+    def stats(self, window_s: float) -> tuple[int, float]:
+        """(samples, their sum) over the last ``window_s`` seconds."""
+        oldest = int(self._clock()) - window_s
+        n, total = 0, 0.0
+        for second, s, c in reversed(self._buckets):
+            if second <= oldest:
+                break
+            n += int(c)
+            total += s
+        return n, total
+
+    def mean(self, window_s: float) -> float | None:
+        """The mean of the last ``window_s`` seconds' samples; None when there were none."""
+        n, total = self.stats(window_s)
+        return total / n if n else None
+
+
 class _WindowedHistogram:
     """A histogram whose observations also go to a :class:`RecentWindow` (``observe`` only)."""
 

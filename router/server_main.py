@@ -38,7 +38,7 @@ from fastapi import FastAPI
 
 from kvstore.errors import KVStoreError
 from router.config import RouterConfig
-from router.request_log import RequestLog
+from router.placement.request_log import RequestLog
 from router.workers.store import StoreLookup, StoreView
 
 __all__ = ["RouterParts", "build_app", "run_router"]

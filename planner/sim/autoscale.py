@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.worker.role import needs_drain
+from router.metrics import RecentWindow
 from router.scaling.plan import Action, Layout, WorkerState, actions, fit_budget, role_of_pool
 from router.scaling.policy import Planner, ScalingConfig, pressures
 from router.scaling.signals import POOLS, Pool, pool_signals
-from router.scaling.window import RecentWindow
 
 if TYPE_CHECKING:
     from planner.sim.worker import SimWorker

@@ -74,8 +74,8 @@ from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.placement.errors import PlacementError
 from router.placement.orchestrator import Orchestrator, StorePrefixFn
 from router.placement.prefill import PrefillPolicy
+from router.placement.request_log import RequestLog
 from router.placement.serving import ServeRequest
-from router.request_log import RequestLog
 from router.scaling.service import ScalingService
 from router.workers.client import WorkerError
 from router.workers.pool import WorkerPool

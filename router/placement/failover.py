@@ -45,8 +45,9 @@ its final line) resumes like a decode stream would: on a decode worker, from the
 Every decode worker is chosen by ``router.placement.decode.choose_decode``. Each phase books
 its prompt tokens and KV blocks on its worker (``WorkerLoad.assign``) and releases them when
 the phase ends, however it ends. Each phase that ended, well or not, is the ``RequestRecord``'s
-(its :class:`PhaseRun`, with the worker's final stats when it finished); the client's final
-stats are made from those (:meth:`ChoiceRun.final`).
+(its ``PhaseRun``, with the worker's final stats when it finished; both are
+``router.placement.request_log``'s); the client's final stats are made from those
+(:meth:`ChoiceRun.final`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Literal
 
 from engine.api.blocks import blocks_needed
 from engine.api.generate import FinishReason, GenerateChunk, GenerateFinal, GenerateRequest, Phase, RequestStats
@@ -63,14 +64,13 @@ from kvstore.keys import BlockKey
 from router.placement.decode import choose_decode
 from router.placement.errors import NoCapacity
 from router.placement.prefill import choose_retry
+from router.placement.request_log import PhaseRun, RequestRecord
 from router.placement.route import Plan
 from router.placement.serving import ServeRequest
-from router.request_log import RequestRecord
 from router.workers.client import WorkerUnavailable
-from router.workers.load import Assignment
 from router.workers.pool import WorkerHandle
 
-__all__ = ["ChoiceRun", "PhaseRun", "RunHooks", "request_stats"]
+__all__ = ["ChoiceRun", "RunHooks", "request_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -89,35 +89,6 @@ class RunHooks:
     on_phase: Callable[[str, Phase, GenerateFinal], None] | None = None
     on_failover: Callable[[FailoverKind], None] | None = None
     on_route: Callable[[str, Phase], None] | None = None
-
-
-@dataclass(eq=False, slots=True)
-class PhaseRun:
-    """One worker phase (a prefill, a decode, a resumed decode, a full run): where, what was
-    sent, what it holds in the books, and how it ended: ``error`` when it failed, the worker's
-    final ``stats`` when it finished. The request log writes it (:meth:`to_dict`)."""
-
-    worker: WorkerHandle
-    phase: Phase
-    request: GenerateRequest
-    books: Assignment
-    output_tokens: int = 0                             # output tokens it streamed
-    error: str | None = None
-    stats: RequestStats | None = None                  # its final line's; None unless it finished
-
-    @property
-    def worker_id(self) -> str:
-        return self.worker.worker_id
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The request log's entry (``router.request_log``); a failed phase has no stats."""
-        return {"worker_id": self.worker_id, "phase": self.phase, "ok": self.ok,
-                "error": self.error, "output_tokens": self.output_tokens,
-                "stats": self.stats.to_json() if self.stats is not None else {}}
 
 
 _PROMPT_FIELDS = ("computed_prompt_tokens", "device_hit_tokens", "store_hit_tokens",

@@ -50,15 +50,14 @@ from prometheus_client import Counter
 from engine.api.generate import GenerateChunk, GenerateFinal, Phase, WorkerInfo
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
-from router.config import MODES, Mode
 from router.metrics import RouterMetrics
 from router.placement.decode import Balance, choose_decode, with_room
 from router.placement.errors import NoCapacity, PlacementError
 from router.placement.failover import ChoiceRun, FailoverKind, RunHooks
 from router.placement.prefill import PrefillPolicy, prefer_local
-from router.placement.route import Plan, Route
+from router.placement.request_log import RequestLog, RequestRecord
+from router.placement.route import MODES, Mode, Plan, Route
 from router.placement.serving import ServeRequest
-from router.request_log import RequestLog, RequestRecord
 from router.workers.client import WorkerError, WorkerRejected, WorkerUnavailable
 from router.workers.pool import WorkerHandle, WorkerPool
 

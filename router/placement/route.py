@@ -1,21 +1,26 @@
-"""How a choice is served (:class:`Route`) and where it starts (:class:`Plan`).
+"""How a choice is served (:class:`Route`), where it starts (:class:`Plan`), and the router's
+configured :data:`Mode` that decides it.
 
 One vocabulary for the path a request takes, used by the plan, the request log's ``mode``
 and the ``kvrouter_route_kind_total{kind}`` metric. It is the outcome of a decision; the
-router's configured ``Mode`` (``disaggregated`` | ``colocated`` | ``auto``) is the policy
-that makes it, and a worker ``Phase`` (``prefill`` | ``decode`` | ``full``) is one step of it
-on one worker.
+router's configured ``Mode`` (``disaggregated`` | ``colocated`` | ``auto``; ``RouterConfig.mode``,
+``--mode``) is the policy that makes it, and a worker ``Phase`` (``prefill`` | ``decode`` |
+``full``) is one step of it on one worker.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from engine.api.generate import Phase
 from router.workers.pool import WorkerHandle
 
-__all__ = ["Route", "Plan"]
+__all__ = ["Mode", "MODES", "Route", "Plan"]
+
+Mode = Literal["disaggregated", "colocated", "auto"]
+MODES: tuple[Mode, ...] = ("disaggregated", "colocated", "auto")
 
 
 class Route(StrEnum):

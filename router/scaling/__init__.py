@@ -1,7 +1,5 @@
 """Scaling: what each pool should scale on, and how many workers each pool should have.
 
-- ``window.RecentWindow``: a bounded, clock-injected window of recent samples (the router's
-  inter-token latencies);
 - ``signals``: per-pool signals from the router's books (``pool_signals``): predicted TTFT
   from queued prompt tokens over the measured prefill rate, KV-cache utilization, ITL;
 - ``policy``: the desired count per pool (``Planner``), a pure state machine with a
@@ -12,5 +10,6 @@
   report (``GET /admin/scaling``).
 
 Everything but ``service`` is plain arithmetic with no I/O; the router's pool and metrics
-are read, never changed.
+are read, never changed. The recent windows the service reads (the inter-token latencies,
+each pool's busy time) are ``router.metrics.RecentWindow`` s.
 """

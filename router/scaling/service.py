@@ -25,10 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.metrics import RouterMetrics
+from router.metrics import RecentWindow, RouterMetrics
 from router.scaling.policy import Decision, Planner, ScalingConfig, pressures
 from router.scaling.signals import POOLS, Pool, PoolSignals, pool_of, pool_signals
-from router.scaling.window import RecentWindow
 from router.workers.pool import WorkerPool
 
 __all__ = ["ScalingService"]

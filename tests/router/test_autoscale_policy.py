@@ -13,10 +13,10 @@ import pytest
 from engine.api.events import LoadFigures
 from engine.api.generate import WorkerInfo
 from kvstore.keys import BlockKey
+from router.metrics import RecentWindow
 from router.scaling.plan import Action, Layout, WorkerState, actions, fit_budget
 from router.scaling.policy import Planner, PoolPolicy, ScalingConfig, pressures
 from router.scaling.signals import PoolSignals, pool_signals
-from router.scaling.window import RecentWindow
 from router.workers.load import WorkerLoad
 
 NS = BlockKey(bytes(16))

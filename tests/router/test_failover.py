@@ -38,8 +38,8 @@ from router.placement.decode import choose_decode, with_room
 from router.placement.errors import NoCapacity
 from router.placement.orchestrator import Orchestrator
 from router.placement.prefill import PrefillPolicy
+from router.placement.request_log import RequestLog
 from router.placement.serving import ServeRequest
-from router.request_log import RequestLog
 from router.workers.client import WorkerUnavailable
 from router.workers.load import WorkerLoad
 from router.workers.pool import StaticMembership, WorkerHandle, WorkerPool

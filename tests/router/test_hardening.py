@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvstore.proc import free_port
-from router.request_log import RequestLog
+from router.placement.request_log import RequestLog
 from router.workers.store import StoreView
 from tests.router.fake_worker import FakeWorker
 from tests.router.test_app import _fake, _router, _run

@@ -37,17 +37,46 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
+from engine.api.generate import GenerateRequest, Phase, RequestStats
 from router.placement.route import Route
+from router.workers.load import Assignment
+from router.workers.pool import WorkerHandle
 
-if TYPE_CHECKING:
-    from router.placement.failover import PhaseRun
-
-__all__ = ["RequestRecord", "RequestLog"]
+__all__ = ["PhaseRun", "RequestRecord", "RequestLog"]
 
 _logger = logging.getLogger(__name__)
 records_logger = logging.getLogger("kvrouter.requests")
+
+
+@dataclass(eq=False, slots=True)
+class PhaseRun:
+    """One worker phase (a prefill, a decode, a resumed decode, a full run): where, what was
+    sent, what it holds in the books, and how it ended: ``error`` when it failed, the worker's
+    final ``stats`` when it finished. The request log writes it (:meth:`to_dict`)."""
+
+    worker: WorkerHandle
+    phase: Phase
+    request: GenerateRequest
+    books: Assignment
+    output_tokens: int = 0                             # output tokens it streamed
+    error: str | None = None
+    stats: RequestStats | None = None                  # its final line's; None unless it finished
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its entry in the request log's ``phases``; a failed phase has no stats."""
+        return {"worker_id": self.worker_id, "phase": self.phase, "ok": self.ok,
+                "error": self.error, "output_tokens": self.output_tokens,
+                "stats": self.stats.to_json() if self.stats is not None else {}}
 
 
 @dataclass
