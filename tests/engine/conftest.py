@@ -17,8 +17,8 @@ import torch
 from engine.model.tiny import make_tiny_checkpoint
 from kvstore.keys import block_keys, namespace_id
 from kvstore.native.blocks import LIBRARY
-from tests.conftest import require_native
 from tests.engine.connector_kit import BS
+from tests.native import require_native
 
 
 @pytest.fixture(scope="session", autouse=True)

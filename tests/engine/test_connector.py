@@ -16,8 +16,8 @@ from kvstore import codec
 from kvstore.keys import namespace_id
 from kvstore.native.blocks import LIBRARY
 from kvstore.net.buffers import Sink
-from tests.conftest import require_native
 from tests.engine.connector_kit import BS, D, DictStore, H, L, make_cache
+from tests.native import require_native
 
 torch.set_num_threads(1)
 

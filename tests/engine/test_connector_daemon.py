@@ -14,7 +14,7 @@ from kvstore.client.scatter import scatter_kernel
 from kvstore.keys import block_keys, namespace_id
 from kvstore.native.blocks import LIBRARY
 from kvstore.node.arena import Arena
-from tests.conftest import require_native
+from tests.native import require_native
 
 L, BS, H, D, NB = 4, 4, 2, 16, 24
 

@@ -33,7 +33,7 @@ from router.workers.vllm_client import (
     VllmWorkerClient,
     completion_body,
 )
-from tests.integrations.conftest import ROOT, VllmPD, VllmServer
+from tests.integrations.vllm_procs import ROOT, VllmPD, VllmServer
 
 T = TypeVar("T")
 NS = BlockKey(bytes(range(16)))

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integrations.conftest import ROOT, VllmPD, VllmServer
+from tests.integrations.vllm_procs import ROOT, VllmPD, VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

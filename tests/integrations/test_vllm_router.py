@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.integrations.conftest import ROOT, VllmPD, VllmServer, registered
+from tests.integrations.vllm_procs import ROOT, VllmPD, VllmServer, registered
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -42,7 +42,7 @@ def test_a_daemon_dies_with_the_pytest_that_started_it(tmp_path):
 def test_etcd_fixture_moves_to_new_ports_when_one_was_taken_before_it_bound(tmp_path):
     import socket
 
-    from tests.conftest import EtcdServer
+    from tests.etcd import EtcdServer
 
     server = EtcdServer(tmp_path / "etcd")
     with socket.socket() as squatter:          # what an outgoing connection's port does

@@ -101,7 +101,7 @@ def key_path(request, monkeypatch):
     if request.param == "native":
         fn = block_keys_fn()
         from kvstore.native.keys import LIBRARY
-        from tests.conftest import require_native
+        from tests.native import require_native
 
         require_native(fn is not None, "the native key path", LIBRARY.why)
         monkeypatch.setattr(keys_module, "_native", [fn])

@@ -25,7 +25,7 @@ KEYS = _keys(PROMPT)
 
 
 def _native_or_skip() -> None:
-    from tests.conftest import require_native
+    from tests.native import require_native
 
     require_native(table_type() is not None, "the native index table", native_status())
 
