@@ -76,7 +76,7 @@ def check(runs: list[Path], profiles: list[str], parts: list[str]) -> dict[str, 
         row = {"part": part, "recommended": name, "runs_as": chosen,
                "runner_up": rec["runner_up"]["name"] if rec["runner_up"] else None,
                "planner_says": rec["verdict"], "command": rec["best"]["command"],
-               "simulated": {CANDIDATE_RUNS.get(r["name"], r["name"]): r["max_rate_90"] for r in rec["ranked"]},
+               "simulated": {CANDIDATE_RUNS.get(r["name"], r["name"]): r["capacity_rps"] for r in rec["ranked"]},
                "measured": measured, **verdict(chosen, measured)}
         print(f"[recommend_check] {part}: recommends {chosen}, measured best {row['measured_best']}: "
               f"{row['verdict']}", file=sys.stderr)

@@ -97,10 +97,11 @@ class ClusterConfig:
             label += f", autoscaled within {self.autoscale.max_workers}"
         return label
 
-    def up_command(self, model: str = "default", port: int = 8000) -> str:
+    def up_command(self, model: str = "default", port: int = 8000, device: str | None = None) -> str:
         """The ``kvrouter up`` command that starts this configuration for real (a fleet of
         several colocated workers, which ``kvrouter up`` does not start: the ``kvengine serve``
-        and ``kvrouter serve`` commands)."""
+        and ``kvrouter serve`` commands); ``device``: the workers' ``--device``."""
+        d = WorkerSpec()
         if self.mode == "colocated" and self.colocated > 1:
             s = self.colocated_spec
             flags = [f"--num-blocks {s.num_blocks}", f"--max-num-batched-tokens {s.max_num_batched_tokens}"]
@@ -108,6 +109,14 @@ class ClusterConfig:
                 flags.append(f"--threads {s.threads}")
             if not s.enable_chunked_prefill:
                 flags.append("--no-chunked-prefill")
+            if s.block_size != d.block_size:
+                flags.append(f"--block-size {s.block_size}")
+            if s.max_num_seqs != d.max_num_seqs:
+                flags.append(f"--max-num-seqs {s.max_num_seqs}")
+            if s.max_model_len != d.max_model_len:
+                flags.append(f"--max-model-len {s.max_model_len}")
+            if device:
+                flags.append(f"--device {device}")
             return (f"{self.colocated} x `kvengine serve --role colocated --model {model} --etcd URL "
                     f"{' '.join(flags)}`, then `kvrouter serve --mode colocated --etcd URL --policy {self.policy}"
                     f"{''.join(' ' + f for f in self._balance_flags())}`")
@@ -127,8 +136,13 @@ class ClusterConfig:
             argv += ["--autoscale", "--max-workers", str(a.max_workers), "--autoscale-interval", f"{a.interval_s:g}"]
             argv += [x for flag, name, _h in SCALING_FLAGS if getattr(a.scaling, name) != getattr(dc, name)
                      for x in (flag, f"{getattr(a.scaling, name):g}")]
-        d = WorkerSpec()
         argv.append(f"--worker-arg=--num-blocks={spec.num_blocks}")
+        if spec.block_size != d.block_size:
+            argv.append(f"--worker-arg=--block-size={spec.block_size}")
+        if spec.max_model_len != d.max_model_len:
+            argv.append(f"--worker-arg=--max-model-len={spec.max_model_len}")
+        if device:
+            argv.append(f"--worker-arg=--device={device}")
         if spec.max_num_batched_tokens != d.max_num_batched_tokens:
             argv.append(f"--worker-arg=--max-num-batched-tokens={spec.max_num_batched_tokens}")
         if spec.max_num_seqs != d.max_num_seqs:
