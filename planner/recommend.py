@@ -438,7 +438,7 @@ def add_recommend_parser(sub: Any) -> None:
     r.add_argument("--request-log", default=None,
                    help="replay a router request log instead of --workload (arrivals and lengths as logged)")
     r.add_argument("--no-progress", action="store_true", help="no per-candidate lines on stderr")
-    add_objective_args(r)
+    add_objective_args(r, sweep=False)
     # Left unset, these follow the hardware (run_recommend): a GPU profile runs the trace at its
     # native lengths in a long context.
     r.set_defaults(trace_scale=None, max_context=None)

@@ -253,10 +253,11 @@ def test_kvplan_simulate_and_recommend(tmp_path: Path) -> None:
     prof = pf.save(profile(1), tmp_path / "p1.json")
     pf.save(profile(2), tmp_path / "p2.json")
     common = ["--profile", str(prof), "--profile", str(tmp_path / "p2.json"), "--workload", "mixed",
-              "--mixed-long-prompt", "1000", "--rates", "0.5,2", "--point-seconds", "20", "--no-progress"]
+              "--mixed-long-prompt", "1000", "--no-progress"]
     out = tmp_path / "sim"
     p = subprocess.run([sys.executable, "-m", "planner.cli", "simulate", "--config", "split=--prefill 1 --decode 1",
-                        "--config", "colo=--mode colocated --threads-per-worker 2", *common, "--out", str(out)],
+                        "--config", "colo=--mode colocated --threads-per-worker 2", *common, "--rates", "0.5,2",
+                        "--point-seconds", "20", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     rec = json.loads(p.stdout.strip().splitlines()[-1])
