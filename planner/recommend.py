@@ -6,9 +6,10 @@ bytes that explain it.
 
 - on a GPU profile, a worker is a device (the profile's tensor-parallel group: one GPU for the
   profiles shipped), and every candidate uses the budget (``--devices``): colocated x N with
-  each chunk size of ``--chunks``, and the prefill:decode splits P + D = N around the split the
-  GPU-seconds imply (``planner.sizing``; ``--split-spread`` either side, or the shares of
-  ``--prefill-shares``), chunked at the largest chunk. A GPU's KV blocks are what its memory
+  each chunk size of ``--chunks``, and prefill:decode splits P + D = N chunked at the largest
+  chunk: a hill climb on capacity per device from the splits the GPU-seconds imply without and
+  with prefix reuse (``planner.sizing``), in steps of N/16 then 1, that ends when the best
+  split's neighbours are known (or exactly the shares of ``--prefill-shares``). A GPU's KV blocks are what its memory
   holds after the weights (``--device-memory``, default from the profile's device name); the
   trace runs at its native lengths;
 - on a CPU profile, a worker takes ``--threads-per-worker`` CPUs: one colocated worker with
@@ -51,9 +52,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,8 @@ from planner.sweep_args import add_objective_args
 from planner.workload_args import build_workload, spec_from_args
 from planner.workloads import BenchRequest, TokenSpace, Workload
 
-__all__ = ["Fleet", "candidates", "gpu_candidates", "Objectives", "objectives", "rank", "recommend",
-           "add_recommend_parser", "run_recommend", "workload_from_log"]
+__all__ = ["Fleet", "candidates", "gpu_colocated", "gpu_split", "split_starts", "next_splits", "Objectives",
+           "objectives", "rank", "recommend", "add_recommend_parser", "run_recommend", "workload_from_log"]
 
 GPU_TPOT_S = 0.1            # the default TPOT objective on a GPU profile: 10 tokens/s a stream
 GPU_STORE_GIB_PER_DEVICE = 128   # the store's host memory per GPU (a Mooncake-style DRAM pool)
@@ -137,43 +138,52 @@ def candidates(devices: int, threads: int, chunks: list[int], num_blocks: int, m
     return out
 
 
-def gpu_candidates(fleet: Fleet, chunks: list[int], centers: list[float], spread: int = 2,
-                   prefill_shares: list[float] | None = None, policy: str = "kv-aware",
-                   salt: bool = False) -> list[ClusterConfig]:
-    """The GPU search (module docstring): colocated x N per chunk size, and the splits of N
-    within ``spread`` prefill workers of each of the prefill shares ``centers`` x N (the
-    GPU-seconds' with and without prefix reuse), or at ``prefill_shares``."""
-    n = fleet.devices
-    if n < 1:
-        raise ValueError(f"a budget of {n} devices holds no worker")
+def gpu_colocated(fleet: Fleet, chunks: list[int], policy: str = "kv-aware", salt: bool = False) -> list[ClusterConfig]:
+    """The GPU search's colocated fleets: every device a colocated worker, one per chunk size."""
     chunks = sorted({c for c in chunks if c > 0}) or [2048]
-    base = WorkerSpec(max_model_len=fleet.max_model_len, max_num_seqs=fleet.max_num_seqs,
+    spec = WorkerSpec(role="colocated", max_model_len=fleet.max_model_len, max_num_seqs=fleet.max_num_seqs,
                       block_size=fleet.block_size, num_blocks=fleet.num_blocks)
-    out = []
-    for chunk in chunks:
-        spec = dataclasses.replace(base, role="colocated", max_num_batched_tokens=chunk)
-        out.append(ClusterConfig(name=f"colo{n}_chunk{chunk}", mode="colocated", prefill=0, decode=0, colocated=n,
-                                 colocated_spec=spec, policy=policy, store_memory_bytes=fleet.store_memory,
-                                 salt_per_request=salt))
-    if n < 2:
-        return out
-    if prefill_shares:
-        splits = {min(max(round(f * n), 1), n - 1) for f in prefill_shares}
-    else:
-        splits = set()
-        for share in centers:
-            mid = share * n
-            splits |= {p for p in range(math.floor(mid) - spread + 1, math.ceil(mid) + spread) if 1 <= p <= n - 1}
-            splits |= {min(max(round(mid), 1), n - 1)}
-    chunk = chunks[-1]
-    for p in sorted(splits):
-        spec = dataclasses.replace(base, max_num_batched_tokens=chunk)
-        out.append(ClusterConfig(
-            name=f"split{p}p{n - p}d_chunk{chunk}", mode="disaggregated", prefill=p, decode=n - p,
-            prefill_spec=dataclasses.replace(spec, role="prefill"),
-            decode_spec=dataclasses.replace(spec, role="decode"),
-            policy=policy, store_memory_bytes=fleet.store_memory, salt_per_request=salt))
-    return out
+    return [ClusterConfig(name=f"colo{fleet.devices}_chunk{c}", mode="colocated", prefill=0, decode=0,
+                          colocated=fleet.devices, colocated_spec=dataclasses.replace(spec, max_num_batched_tokens=c),
+                          policy=policy, store_memory_bytes=fleet.store_memory, salt_per_request=salt)
+            for c in chunks]
+
+
+def gpu_split(fleet: Fleet, prefill: int, chunk: int, policy: str = "kv-aware", salt: bool = False) -> ClusterConfig:
+    """``prefill`` of the budget's devices prefill workers, the rest decode workers."""
+    n = fleet.devices
+    if not 1 <= prefill < n:
+        raise ValueError(f"a split of {n} devices needs 1 to {n - 1} prefill workers, got {prefill}")
+    spec = WorkerSpec(max_model_len=fleet.max_model_len, max_num_seqs=fleet.max_num_seqs, block_size=fleet.block_size,
+                      num_blocks=fleet.num_blocks, max_num_batched_tokens=chunk)
+    return ClusterConfig(name=f"split{prefill}p{n - prefill}d_chunk{chunk}", mode="disaggregated",
+                         prefill=prefill, decode=n - prefill, prefill_spec=dataclasses.replace(spec, role="prefill"),
+                         decode_spec=dataclasses.replace(spec, role="decode"), policy=policy,
+                         store_memory_bytes=fleet.store_memory, salt_per_request=salt)
+
+
+def split_starts(devices: int, centers: list[float]) -> list[int]:
+    """The prefill workers the split search starts from: each prefill share of ``centers``
+    (the GPU-seconds', without and with prefix reuse) of the budget, rounded."""
+    if devices < 2:
+        return []
+    return sorted({min(max(round(c * devices), 1), devices - 1) for c in centers})
+
+
+def next_splits(rows: list[dict[str, Any]], devices: int) -> list[int]:
+    """The split search's next prefill counts, given the splits simulated so far: a hill climb
+    on capacity per device, in steps of ``devices // 16`` (at least 1), then of 1, that ends when
+    the best split's neighbours at step 1 are both known. Of equal capacities the split
+    simulated first stays the best: the climb moves only on a strict gain."""
+    caps = {r["prefill"]: r["capacity_per_device"] for r in rows if r["mode"] != "colocated"}
+    if not caps:
+        return []
+    best = max(caps, key=caps.__getitem__)   # the first of equals, in the order simulated
+    for step in sorted({max(devices // 16, 1), 1}, reverse=True):
+        new = [q for q in (best - step, best + step) if 1 <= q < devices and q not in caps]
+        if new:
+            return new
+    return []
 
 
 def devices_of(c: ClusterConfig, gpu: bool) -> int:
@@ -307,12 +317,15 @@ def _verdict(best: dict[str, Any], runner: dict[str, Any] | None, target: float)
 
 def recommend(cands: list[ClusterConfig], profiles: Profiles, base: Workload, slo: Slo, gpu: bool,
               guess: float, requests: int, search: SearchSettings = SearchSettings(),
-              command: Any = None, on_candidate: Any = None) -> dict[str, Any]:
+              command: Any = None, on_candidate: Any = None, more: Any = None) -> dict[str, Any]:
     """Find every candidate's capacity and rank them (module docstring). ``guess``: the first
-    rate tried per device; ``command(config) -> (command, note)``."""
+    rate tried per device; ``command(config) -> (command, note)``; ``more(rows) -> configs``:
+    further candidates given the results so far (a search over splits), until it gives none."""
     command = command or (lambda c: (c.up_command(), None))
-    rows = []
-    for c in cands:
+    rows: list[dict[str, Any]] = []
+    queue = list(cands)
+    while queue:
+        c = queue.pop(0)
         n = devices_of(c, gpu)
         t0 = time.perf_counter()
         s = Search(c, profiles, base, slo, requests)
@@ -330,6 +343,8 @@ def recommend(cands: list[ClusterConfig], profiles: Profiles, base: Workload, sl
         rows.append(row)
         if on_candidate:
             on_candidate(row)
+        if not queue and more is not None:
+            queue = list(more(rows))
     best, runner, ranked = rank(rows)
     for r in ranked:
         r["gap"] = 1 - r["capacity_per_device"] / best["capacity_per_device"] if best["capacity_per_device"] else 0.0
@@ -415,9 +430,7 @@ def add_recommend_parser(sub: Any) -> None:
                    help="each worker's most running requests (default 64 on a CPU profile, 256 on a GPU one)")
     r.add_argument("--prefill-shares", default=None,
                    help="try only the splits with these prefill shares of the workers, e.g. 0.25,0.5,0.75 "
-                        "(default: every split on a CPU profile, those around the GPU-seconds' split on a GPU one)")
-    r.add_argument("--split-spread", type=int, default=2,
-                   help="GPU profiles: prefill workers either side of the GPU-seconds' split to try (default 2)")
+                        "(default: every split on a CPU profile; on a GPU one, a search from the GPU-seconds' splits)")
     r.add_argument("--store-memory", default=None,
                    help=f"the store's memory (default 2G on a CPU profile, {GPU_STORE_GIB_PER_DEVICE} GiB per GPU "
                         "on a GPU one)")
@@ -486,10 +499,22 @@ def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
     costs = profiles.costs_for(spec)
     kv_per_device = fleet.num_blocks * fleet.block_size // (1 if gpu else max(fleet.devices // fleet.threads, 1))
     gs = gpu_seconds(costs, base, max(chunks), obj.slo.tpot_s, fleet.max_num_seqs, kv_per_device)
+    more: Callable[[list[dict[str, Any]]], list[ClusterConfig]] | None = None
     if gpu:
-        cands = gpu_candidates(fleet, chunks, [gs.prefill_share, gs.prefill_share_reused], args.split_spread,
-                               shares, args.policy, args.salt_per_request)
-    else:
+        chunk = max(chunks)
+        starts = ([min(max(round(f * fleet.devices), 1), fleet.devices - 1) for f in shares] if shares
+                  else split_starts(fleet.devices, [gs.prefill_share, gs.prefill_share_reused]))
+        if fleet.devices < 2:
+            starts = []
+        cands = gpu_colocated(fleet, chunks, args.policy, args.salt_per_request) + [
+            gpu_split(fleet, p, chunk, args.policy, args.salt_per_request) for p in sorted(set(starts))]
+
+        def climb(rows: list[dict[str, Any]]) -> list[ClusterConfig]:
+            return [gpu_split(fleet, p, chunk, args.policy, args.salt_per_request)
+                    for p in next_splits(rows, fleet.devices)]
+
+        more = None if shares else climb
+    else:   # every CPU candidate is listed up front
         cands = candidates(args.devices, args.threads_per_worker, chunks, fleet.num_blocks, fleet.max_model_len,
                            fleet.store_memory, args.policy, args.salt_per_request, args.max_workers, shares,
                            max_num_seqs=fleet.max_num_seqs, max_colocated=args.max_colocated,
@@ -515,7 +540,7 @@ def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
         f"({row['capacity_per_device']:.3g} per device; {len(row['points'])} points, "
         f"{row['search_seconds']:.0f} s)", file=sys.stderr))
     out = recommend(cands, profiles, base, obj.slo, gpu, guess, requests,
-                    SearchSettings(args.attainment, args.precision), command, say)
+                    SearchSettings(args.attainment, args.precision), command, say, more)
     ratio = {**gs.to_json(), "implied_prefill_devices": gs.prefill_share * fleet.devices,
              "simulated_best": out["best"]["label"],
              "explanation": explain(gs, out["best"], out["ranked"], fleet.devices)}

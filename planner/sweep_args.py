@@ -1,8 +1,9 @@
 """The flags ``kvplan simulate`` and ``kvplan recommend`` share, and the sweep settings they give.
 
 ``add_objective_args(parser)`` adds ``--profile``, the sweep's ``--rates``, ``--point-seconds``,
-``--slo-ref`` and ``--prewarm-concurrency`` (``kvplan simulate``), the objectives' flags (fixed ``--ttft-slo-ms``/``--tpot-slo-ms``, or multiples of the unloaded
-latencies), ``--out`` and the workload's flags (``planner.workload_args``);
+``--slo-ref`` and ``--prewarm-concurrency`` (``kvplan simulate``), the objectives' flags (fixed
+``--ttft-slo-ms``/``--tpot-slo-ms``, or multiples of the unloaded latencies), ``--out`` and the
+workload's flags (``planner.workload_args``);
 ``settings_from_args(args)`` is the ``planner.sim.sweep.SweepSettings`` they describe.
 """
 

@@ -9,7 +9,6 @@ TTFT of one GPU, TPOT fixed per case.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from engine.profile import format as pf
 from planner.capacity import SearchSettings, find_capacity
 from planner.cli import build_parser
-from planner.recommend import Fleet, gpu_candidates, rank, run_recommend
+from planner.recommend import Fleet, gpu_colocated, gpu_split, next_splits, rank, run_recommend, split_starts
 from planner.sim.costs import StepCosts
 from planner.sizing import gpu_seconds, kv_bytes, weight_bytes
 from planner.workloads import BenchRequest, Workload
@@ -89,16 +88,33 @@ def test_gpu_seconds_and_kv_bytes_follow_the_profile_and_the_workload() -> None:
     assert weight_bytes(gpu_profile().model) > 0
 
 
-def test_gpu_candidates_are_devices_around_the_gpu_seconds_split() -> None:
-    fleet = Fleet(True, 16, 1, 5000, 64, 256, 8192, 1 << 30)
-    cands = gpu_candidates(fleet, [2048, 512], [0.75, 0.5], spread=1)
-    names = [c.name for c in cands]
-    assert names[:2] == ["colo16_chunk512", "colo16_chunk2048"]
-    assert {(c.prefill, c.decode) for c in cands if c.mode != "colocated"} == {(12, 4), (8, 8)}
-    assert all(c.workers == 16 and all(s.threads == 1 and s.num_blocks == 5000 for s in c.specs()) for c in cands)
-    wide = gpu_candidates(fleet, [2048], [0.75], spread=2)
-    assert sorted(c.prefill for c in wide if c.mode != "colocated") == [11, 12, 13]
-    assert [c.prefill for c in gpu_candidates(dataclasses.replace(fleet, devices=2), [2048], [0.99])][1:] == [1]
+def test_gpu_candidates_are_devices_and_the_split_search_climbs_to_the_best_split() -> None:
+    fleet = Fleet(True, 32, 1, 5000, 64, 256, 8192, 1 << 30)
+    colo = gpu_colocated(fleet, [2048, 512, 0])
+    assert [c.name for c in colo] == ["colo32_chunk512", "colo32_chunk2048"]
+    split = gpu_split(fleet, 24, 2048)
+    assert (split.prefill, split.decode, split.name) == (24, 8, "split24p8d_chunk2048")
+    for c in [*colo, split]:
+        assert c.workers == 32 and all(s.threads == 1 and s.num_blocks == 5000 for s in c.specs())
+    with pytest.raises(ValueError):
+        gpu_split(fleet, 32, 2048)
+    assert split_starts(32, [0.92, 0.71]) == [23, 29] and split_starts(1, [0.5]) == []
+
+    def climb(capacity: dict[int, float], starts: list[int]) -> list[int]:
+        """The prefill counts the search simulates, on a known capacity curve."""
+        rows, queue = [], list(starts)
+        while queue:
+            p = queue.pop(0)
+            rows.append({"mode": "disaggregated", "prefill": p, "capacity_per_device": capacity[p]})
+            if not queue:
+                queue = next_splits(rows, 32)
+        return [r["prefill"] for r in rows]
+
+    peak = {p: 1.0 - abs(p - 20) / 32 for p in range(1, 32)}       # best at 20P:12D
+    tried = climb(peak, [23, 29])
+    assert max(tried, key=peak.__getitem__) == 20 and {19, 21} <= set(tried) and len(tried) <= 10
+    flat = {p: 0.5 for p in range(1, 32)}                         # nothing to climb: neighbours, then stop
+    assert sorted(climb(flat, [16])) == [14, 15, 16, 17, 18]
 
 
 def test_equivalent_capacities_go_to_the_simpler_configuration() -> None:
