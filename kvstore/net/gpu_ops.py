@@ -1,8 +1,9 @@
 """The daemon's CUDA IPC ops, GPU_HANDLE to GPU_ABORT (``kvstore.net.protocol``'s table).
 
-Served by a ``Session`` like its own ops (``kvstore.net.session``), over the store's
-``GpuShare`` (``kvstore.node.gpu_share``): only keys, offsets and one handle cross the socket;
-the client copies block bytes device to device in the daemon's mapped tier buffer.
+Served by a ``Session`` (``kvstore.net.session``) like the store ops (``kvstore.net.store_ops``),
+over the store's ``GpuShare`` (``kvstore.node.gpu_share``): only keys, offsets and one handle
+cross the socket; the client copies block bytes device to device in the daemon's mapped tier
+buffer.
 
 - Offered (HELLO answers ``"cuda_ipc": true``) when the daemon has a GPU tier on CUDA and the
   HELLO's host id is the daemon's own (as the shared-memory path decides). Otherwise every op

@@ -53,16 +53,18 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.net import protocol as P
 from kvstore.net import sockio
+from kvstore.net.frames import Close, FrameTimeout
 from kvstore.net.host_id import local_host_id
 from kvstore.net.limits import ServerLimits
-from kvstore.net.session import Close, DropReason, FrameTimeout, ServerMetrics, Session
+from kvstore.net.session import Session
+from kvstore.net.session_host import DropReason, ServerMetrics
 from kvstore.net.ucx import Worker
 from kvstore.node.store import BlockStore
 
 if TYPE_CHECKING:
     from kvstore.tls import TLSConfig
 
-__all__ = ["ServerMetrics", "ServerLimits", "StoreServer", "raise_nofile_limit"]
+__all__ = ["ServerLimits", "StoreServer", "raise_nofile_limit"]
 
 log = logging.getLogger(__name__)
 

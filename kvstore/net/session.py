@@ -1,4 +1,6 @@
-"""``Session``: one client connection as the daemon serves it: its frames, limits and ops.
+"""``Session``: one client connection as the daemon serves it: its frames, limits and what
+it holds; the connection's own ops (HELLO, UCX), the others dispatched to ``kvstore.net.store_ops``
+(PUT to TOUCH) and ``kvstore.net.gpu_ops`` (CUDA IPC).
 
 A session is served in steps (``step()``) by one of the server's serving threads, whenever
 its socket is readable; between steps it waits in the server's epoll set and holds no thread
@@ -17,8 +19,8 @@ HELLO and on TLS, through the serving thread's buffer after it; the frame deadli
   pinned slots) under one deadline for the whole frame, counted from its first byte
   (``frame_timeout``), not per receive call: a frame that trickles in is cut off at it.
 - What one connection holds reserved (a PUT in flight, RESERVEs not yet committed) is
-  capped at ``max_reserve`` bytes, so no single client evicts more than its share of the
-  arena before it has sent the bytes.
+  capped at ``max_reserve`` bytes (enforced by the ops that reserve, ``kvstore.net.store_ops``),
+  so no single client evicts more than its share of the arena before it has sent the bytes.
 
 TLS (``kvstore.tls``): a TLS session's handshake runs in non-blocking steps as well
 (``kvstore.net.tls_io``; ``want_write``: wait for writability), within the HELLO deadline;
@@ -26,9 +28,10 @@ a refused certificate or a peer not speaking TLS ends it (``tls_handshake``). Th
 deadline is then the socket's Python timeout, and ``buffered()`` tells the server to serve
 the session again when TLS holds decrypted bytes that epoll cannot see.
 
-Whatever the session has reserved or pinned (``owner=self``; the GPU tier's too, through the
-CUDA IPC ops of ``kvstore.net.gpu_ops``) is released by ``release()``, which the server calls
-however the session ends.
+Whatever the session has reserved or pinned (``owner=self``: by the store ops, and the GPU
+tier's through the CUDA IPC ops) is released by ``release()``, which the server calls however
+the session ends. What the session needs of its server, and reports to, is
+``kvstore.net.session_host``'s.
 
 UCX (``kvstore.net.ucx``, the spec): after HELLO a client may set up a ``UcxChannel``; its
 ``FLAG_UCX`` GETs and RESERVEs then move blocks as UCX messages, and ``release()`` closes the
@@ -38,73 +41,28 @@ channel (cancelling what it posted) before it frees a slot.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hmac
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, Literal, NoReturn, Protocol
+from typing import TYPE_CHECKING, Callable, NoReturn
 
-import numpy as np
-
-from kvstore.errors import AuthError, KVStoreError, ProtocolError, StoreFull
+from kvstore.errors import AuthError, KVStoreError, ProtocolError
 from kvstore.keys import BlockKey
-from kvstore.net import gpu_ops, sockio, tls_io
+from kvstore.net import gpu_ops, sockio, store_ops, tls_io
 from kvstore.net import protocol as P
-from kvstore.net.frames import Close, FrameReader, FrameTimeout
-from kvstore.net.limits import ServerLimits
-from kvstore.node.store import BlockStore
+from kvstore.net.frames import Close, FrameReader
+from kvstore.net.session_host import DataPath, Direction, SessionHost
 
 if TYPE_CHECKING:
-    from kvstore.net.ucx import Worker
     from kvstore.net.ucx_channel import UcxChannel
 
-__all__ = ["Session", "SessionHost", "ServerMetrics", "Close", "FrameTimeout", "Direction",
-           "DataPath", "DropReason"]
+__all__ = ["Session"]
 
 log = logging.getLogger("kvstore.net.server")
 
 _BURST = 64  # frames served in one step before the session yields its thread
 _OP_NAMES = {int(op): op.name.lower() for op in P.Op}  # the metrics' op label
-
-Direction = Literal["in", "out"]   # KV bytes put into / got out of the store
-DataPath = Literal["tcp", "shm", "ucx", "cuda_ipc"]  # socket / arena / UCX / GPU tier (gpu_ops)
-DropReason = Literal["limit", "fd_exhausted", "hello_timeout", "idle_timeout", "frame_timeout",
-                     "tls_handshake"]
-
-
-class ServerMetrics(Protocol):
-    """What the server reports to, as it serves (``kvstore.daemon.metrics.StoreMetrics``)."""
-
-    def observe(self, op: str, seconds: float) -> None:
-        """One request of ``op`` (a protocol op's name, lower case) took ``seconds``."""
-
-    def transferred(self, direction: Direction, path: DataPath, nbytes: int) -> None:
-        """``nbytes`` of values moved."""
-
-    def error(self, code: str) -> None:
-        """One error answer of ``code`` (an error code's name, lower case)."""
-
-    def dropped(self, reason: DropReason) -> None:
-        """The daemon closed (or refused) one connection for ``reason``."""
-
-    def accept_error(self) -> None:
-        """``accept`` failed for want of file descriptors (EMFILE, ENFILE)."""
-
-
-class SessionHost(Protocol):
-    """What a session needs of its server (``kvstore.net.server.StoreServer``)."""
-
-    store: BlockStore
-    limits: ServerLimits
-    max_reserve: int  # bytes one connection may hold reserved (HELLO's max_data)
-    token: bytes | None
-    metrics: ServerMetrics | None
-    node_id: str
-    host_id: str
-    ucx: Worker | None  # the daemon's UCX worker, when it serves UCX (kvstore serve --ucx)
-
-    def server_stats(self) -> dict[str, Any]: ...
 
 
 class Session:
@@ -268,7 +226,7 @@ class Session:
         """Abort this session's reservations and drop its pins (idempotent); with a UCX
         channel, only once it closed with nothing left in flight (else they stay: a leak,
         logged, rather than a slot reused under a late message)."""
-        if not self._close_ucx() or self.stuck:
+        if not self.close_ucx() or self.stuck:
             return
         try:
             self.store.release_owner(self)
@@ -278,20 +236,22 @@ class Session:
         except Exception:
             log.exception("releasing the reservations and pins of %s failed", self.peer)
 
+    def close_ucx(self) -> bool:
+        """Close the channel now; False when a request outlived it (module docstring)."""
+        channel, self.ucx = self.ucx, None
+        if channel is None or channel.close():
+            return True
+        log.error("connection %s: UCX requests did not finish after the endpoint closed; "
+                  "its reservations and pins are kept", self.peer)
+        self.stuck = True
+        return False
+
     def count_bytes(self, direction: Direction, path: DataPath, nbytes: int) -> None:
         """Count block bytes moved on ``path`` (the daemon's transfer metrics)."""
         if self.server.metrics is not None and nbytes:
             self.server.metrics.transferred(direction, path, nbytes)
 
-    def _check_reserve(self, total: int, op: str) -> None:
-        cap = self.server.max_reserve
-        if self.reserved_bytes + total > cap:
-            raise StoreFull(
-                f"a {op} of {total} bytes would hold {self.reserved_bytes + total} bytes "
-                f"reserved on this connection, over its {cap}-byte cap (max_data); put fewer "
-                "blocks at once, commit reservations first, or raise the daemon's --max-conn-reserve")
-
-    # --- ops ----------------------------------------------------------------------------
+    # --- the connection's own ops (the store's: kvstore.net.store_ops) ------------------
 
     def _hello(self, h: P.Header, meta: memoryview) -> None:
         req = P.unpack_json(meta)
@@ -315,165 +275,6 @@ class Session:
             **({"index": index.info()} if index is not None else {}),
             **({"ucx": True} if self.server.ucx is not None else {}), **gpu_ops.hello_fields(self)}))
 
-    def _put(self, h: P.Header, meta: memoryview) -> None:
-        keys, sizes = P.unpack_keys_sizes(meta)
-        total = sum(sizes)
-        if total != h.data_len:
-            raise ProtocolError(f"PUT declares blocks of {total} bytes in all but carries "
-                                f"{h.data_len} bytes of data")
-        try:
-            self._check_reserve(total, "PUT")
-        except StoreFull as e:
-            self.fail(h.op, h.request_id, e)  # too much to drain: end the connection
-        try:
-            res = self.store.reserve(list(zip(keys, sizes)), owner=self)
-        except StoreFull:
-            self.reader.drain(total)
-            raise
-        # The reservations are this session's (owner=self): if the frame breaks off or runs
-        # past its deadline, release() aborts them. ``self.reserved`` tracks only RESERVE's,
-        # which the client commits or aborts in later frames.
-        buf = self.store.arena.buf
-        for r, s in zip(res, sizes):
-            if r is None:
-                self.reader.drain(s)
-            else:
-                self.reader.read_into(buf[r.offset: r.offset + s])
-        self.store.commit([k for k, r in zip(keys, res) if r is not None])
-        self.count_bytes("in", "tcp", total)
-        self.reply(h, bytes(1 if r is not None else 0 for r in res))
-
-    def _get(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        # Pinned for the send only, and unpinned below however it ends: no owner to track.
-        locs = self.store.pin(keys)
-        pinned = [k for k, loc in zip(keys, locs) if loc is not None]
-        try:
-            buf = self.store.arena.buf
-            if len(locs) == 1:
-                loc = locs[0]
-                sizes = (P.MISSING if loc is None else loc.size).to_bytes(8, "little")
-            else:
-                sizes = np.fromiter((loc.size if loc is not None else P.MISSING for loc in locs),
-                                    dtype="<u8", count=len(locs)).tobytes()
-            data = [buf[loc.offset: loc.offset + loc.size] for loc in locs if loc is not None]
-            if self.ucx is not None and h.flags & P.FLAG_UCX:
-                self.reply(h, sizes)
-                try:
-                    self.ucx.send_blocks(h.request_id, data, [i for i, loc in enumerate(locs) if loc is not None],
-                                         time.monotonic() + self.server.limits.frame_timeout)
-                except ConnectionError as e:  # unpinned below once the channel is closed
-                    log.info("closing connection %s: %s", self.peer, e)
-                    if not self._close_ucx():
-                        pinned = []
-                    raise Close() from None
-                self.count_bytes("out", "ucx", sum(v.nbytes for v in data))
-            else:
-                self.reply(h, sizes, data)
-                self.count_bytes("out", "tcp", sum(v.nbytes for v in data))
-        finally:
-            if pinned:
-                self.store.unpin(pinned)
-
-    def _close_ucx(self) -> bool:
-        """Close the channel now; False when a request outlived it (module docstring)."""
-        channel, self.ucx = self.ucx, None
-        if channel is None or channel.close():
-            return True
-        log.error("connection %s: UCX requests did not finish after the endpoint closed; "
-                  "its reservations and pins are kept", self.peer)
-        self.stuck = True
-        return False
-
-    def _contains(self, h: P.Header, meta: memoryview) -> None:
-        self.reply(h, bytes(self.store.contains(P.unpack_keys(meta))))
-
-    def _prefix_len(self, h: P.Header, meta: memoryview) -> None:
-        self.reply(h, P._U32.pack(self.store.prefix_len(P.unpack_keys(meta))))
-
-    def _delete(self, h: P.Header, meta: memoryview) -> None:
-        self.reply(h, P._U32.pack(self.store.delete(P.unpack_keys(meta))))
-
-    def _stats(self, h: P.Header, meta: memoryview) -> None:
-        stats = dataclasses.asdict(self.store.stats())
-        self.reply(h, P.pack_json({"store": stats, "server": self.server.server_stats()}))
-
-    def _reserve(self, h: P.Header, meta: memoryview) -> None:
-        keys, sizes = P.unpack_keys_sizes(meta)
-        self._check_reserve(sum(sizes), "RESERVE")
-        res = self.store.reserve(list(zip(keys, sizes)), owner=self)
-        for k, r, s in zip(keys, res, sizes):
-            if r is not None:
-                self.reserved[k] = s
-                self.reserved_bytes += s
-        if self.ucx is not None and h.flags & P.FLAG_UCX:  # the values come as UCX messages
-            buf = self.store.arena.buf
-            mine = [(i, r.offset, s) for i, (r, s) in enumerate(zip(res, sizes)) if r is not None]
-            self.ucx.post(h.request_id, [keys[i] for i, _, _ in mine],
-                          [buf[off: off + s] for _, off, s in mine], [i for i, _, _ in mine])
-        offsets = np.fromiter((r.offset if r is not None else P.MISSING for r in res),
-                              dtype="<u8", count=len(res))
-        self.reply(h, offsets.tobytes())
-
-    def _owned_reservations(self, keys: list[BlockKey], verb: str) -> int:
-        missing = [k for k in keys if k not in self.reserved]
-        if missing:
-            raise ProtocolError(f"{verb} of {len(missing)} key(s) this connection has not "
-                                f"reserved (first {missing[0].hex()})")
-        nbytes = sum(self.reserved.pop(k) for k in keys)
-        self.reserved_bytes -= nbytes
-        return nbytes
-
-    def _commit(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        path: DataPath = "shm"
-        if self.ucx is not None and self.ucx.posted(keys):
-            path = "ucx"
-            try:
-                self.ucx.take(keys, self.server.limits.frame_timeout)
-            except ConnectionError as e:
-                self.fail(h.op, h.request_id, ProtocolError(f"COMMIT of values that did not arrive: {e}"))
-        nbytes = self._owned_reservations(keys, "COMMIT")
-        self.store.commit(keys)
-        self.count_bytes("in", path, nbytes)
-        self.reply(h)
-
-    def _abort(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        if self.ucx is not None and self.ucx.posted(keys):
-            raise ProtocolError("ABORT of keys whose values are expected over UCX: close the "
-                                "connection instead (kvstore.net.ucx)")
-        self._owned_reservations(keys, "ABORT")
-        self.store.abort(keys)
-        self.reply(h)
-
-    def _pin(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        locs = self.store.pin(keys, owner=self)
-        n = len(keys)
-        out = np.full(2 * n, P.MISSING, dtype="<u8")
-        nbytes = 0
-        for i, (k, loc) in enumerate(zip(keys, locs)):
-            if loc is not None:
-                self.pins[k] += 1
-                out[i], out[n + i] = loc.offset, loc.size
-                nbytes += loc.size
-        self.count_bytes("out", "shm", nbytes)
-        self.reply(h, out.tobytes())
-
-    def _unpin(self, h: P.Header, meta: memoryview) -> None:
-        keys = P.unpack_keys(meta)
-        need = collections.Counter(keys)
-        bad = [k for k, c in need.items() if self.pins[k] < c]
-        if bad:
-            raise ProtocolError(f"UNPIN of {len(bad)} key(s) this connection has not pinned "
-                                f"(first {bad[0].hex()})")
-        self.pins.subtract(need)
-        self.pins = +self.pins
-        self.store.unpin(keys, owner=self)
-        if not h.flags & P.FLAG_NO_REPLY:
-            self.reply(h)
-
     def _ucx(self, h: P.Header, meta: memoryview) -> None:
         worker = self.server.ucx
         if worker is None:
@@ -485,17 +286,6 @@ class Session:
         self.ucx = UcxChannel(worker, P.unpack_json(meta), self.fd)
         self.reply(h, P.pack_json(self.ucx.hello()))
 
-    def _touch(self, h: P.Header, meta: memoryview) -> None:
-        keys, counts, sizes = P.unpack_touch(meta)
-        self.count_bytes("out", "shm", self.store.touch(keys, counts, sizes))
-        if not h.flags & P.FLAG_NO_REPLY:
-            self.reply(h)
-
 
 _HANDLERS: dict[int, Callable[[Session, P.Header, memoryview], None]] = {
-    P.Op.HELLO: Session._hello, P.Op.PUT: Session._put, P.Op.GET: Session._get,
-    P.Op.CONTAINS: Session._contains, P.Op.PREFIX_LEN: Session._prefix_len,
-    P.Op.DELETE: Session._delete, P.Op.STATS: Session._stats, P.Op.RESERVE: Session._reserve,
-    P.Op.COMMIT: Session._commit, P.Op.ABORT: Session._abort, P.Op.PIN: Session._pin,
-    P.Op.UNPIN: Session._unpin, P.Op.TOUCH: Session._touch, P.Op.UCX: Session._ucx,
-    **gpu_ops.HANDLERS}
+    P.Op.HELLO: Session._hello, P.Op.UCX: Session._ucx, **store_ops.HANDLERS, **gpu_ops.HANDLERS}
