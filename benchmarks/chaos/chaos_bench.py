@@ -189,9 +189,10 @@ def check(w: Watch, cluster: Cluster, state: dict[str, Any], records: list[dict[
         if w.kind in WORKER_KINDS:
             served = any(p.get("worker_id") == w.new_id and p.get("ok") for p in r.get("phases", []))
         elif w.kind == "store":
-            kv = r.get("kv_bytes") or {}
+            sides = [r.get("prefill_stats") or {}, r.get("decode_stats") or {}]
             served = (r["arrival_unix"] >= w.registered and r.get("mode") == "disaggregated"
-                      and kv.get("saved", 0) > 0 and kv.get("loaded", 0) > 0)
+                      and sum(s.get("kv_bytes_saved", 0) for s in sides) > 0
+                      and sum(s.get("kv_bytes_loaded", 0) for s in sides) > 0)
         else:   # etcd: every current worker routed to again (the router's view of the fleet back)
             w.pending = (w.pending if w.pending is not None else
                          {c["id"] for c in state["children"].values() if c["kind"] in WORKER_KINDS and c["id"]})

@@ -165,11 +165,12 @@ def _set_replicas(cluster: Any, r: int) -> str | None:
 
 def _rate(recs: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(reusable(r["prompt_tokens"]) for r in recs)
-    tok = [r.get("tokens") or {} for r in recs]
+    pre = [r.get("prefill_stats") or {} for r in recs]
+    dec = [r.get("decode_stats") or {} for r in recs]
     return {"requests": len(recs), "reusable_tokens": total,
-            "prefill": round(sum(t.get("store_hit", 0) for t in tok) / total, 4) if total else None,
-            "decode": round(sum(t.get("decode_store_hit", 0) for t in tok) / total, 4) if total else None,
-            "device_hit_tokens": sum(t.get("device_hit", 0) for t in tok)}
+            "prefill": round(sum(s.get("store_hit_tokens", 0) for s in pre) / total, 4) if total else None,
+            "decode": round(sum(s.get("store_hit_tokens", 0) for s in dec) / total, 4) if total else None,
+            "device_hit_tokens": sum(s.get("device_hit_tokens", 0) for s in pre + dec)}
 
 
 async def run(args: argparse.Namespace, out: Path, model: str) -> dict[str, Any]:

@@ -182,6 +182,11 @@ def probe_requests(flags: str) -> int:
     return 1 + n + (n if "--ttft-slo-per-length" in argv else 0)
 
 
+def _both(record: dict[str, Any], name: str) -> float:
+    """A request log record's figure over all its phases: its prefill side's plus its decode side's."""
+    return sum((record.get(side) or {}).get(name, 0) for side in ("prefill_stats", "decode_stats"))
+
+
 def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
     """Store hits, KV bytes and KV transfer time vs TTFT over router request records.
 
@@ -204,8 +209,8 @@ def log_stats(records: list[dict[str, Any]], skip: int = 4) -> dict[str, Any]:
     }
     split = [r for r in ok if len(r.get("phases", [])) >= 2 and r["phases"][0]["phase"] == "prefill"]
     if split:
-        moved = [r["kv_bytes"]["saved"] + r["kv_bytes"]["loaded"] for r in split]
-        loaded = [r["kv_bytes"]["loaded"] for r in split]
+        moved = [_both(r, "kv_bytes_saved") + _both(r, "kv_bytes_loaded") for r in split]
+        loaded = [_both(r, "kv_bytes_loaded") for r in split]
         save_s = [r["phases"][0]["stats"].get("store_save_s", 0.0) for r in split]
         load_s = [sum(p["stats"].get("store_load_s", 0.0) for p in r["phases"][1:] if p.get("stats")) for r in split]
         ttft = [r["timeline"]["first_token"] for r in split]
@@ -262,7 +267,9 @@ def run_config(name: str, spec: dict[str, Any], port: int, out: Path, plan: list
             start = _lines(reqlog)
             res["long_hit"] = asyncio.run(long_hit(url, TokenSpace()))
             recs = [json.loads(x) for x in open(reqlog).read().splitlines()[start:]]
-            res["long_hit"]["router"] = [{"tokens": r.get("tokens"), "first_token": r["timeline"].get("first_token"),
+            res["long_hit"]["router"] = [{"prefill_stats": r.get("prefill_stats"),
+                                          "decode_stats": r.get("decode_stats"),
+                                          "first_token": r["timeline"].get("first_token"),
                                           "phases": [(p["phase"], {k: p.get("stats", {}).get(k) for k in (
                                               "store_hit_tokens", "device_hit_tokens", "computed_prompt_tokens",
                                               "store_load_s", "prefill_s")}) for p in r.get("phases", [])]}

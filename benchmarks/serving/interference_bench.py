@@ -232,8 +232,8 @@ class _Arrival:
     prompt: _Prompt
     added: float
     first: float | None = None
-    device_hit: int = 0
-    store_hit: int = 0
+    device_hit_tokens: int = 0
+    store_hit_tokens: int = 0
     load_s: float = 0.0
 
 
@@ -354,7 +354,7 @@ class _Bench:
                     a.first, computed = t, True
                 if out.finished:
                     del self.live[rid]
-                    a.device_hit, a.store_hit = out.stats.device_hit_tokens, out.stats.store_hit_tokens
+                    a.device_hit_tokens, a.store_hit_tokens = out.stats.device_hit_tokens, out.stats.store_hit_tokens
                     a.load_s = out.kv.load.seconds
         if self.steps is not None:
             self.steps.append(t - t0)
@@ -414,8 +414,8 @@ class _Bench:
                     self.put(p)
                     (a,) = self.run_alone([p], f"calibrate-{mode}")
                     self.delete(p)
-                    if a.store_hit != p.hit_tokens or a.first is None:
-                        raise SystemExit(f"interference_bench: calibration loaded {a.store_hit} "
+                    if a.store_hit_tokens != p.hit_tokens or a.first is None:
+                        raise SystemExit(f"interference_bench: calibration loaded {a.store_hit_tokens} "
                                          f"of {p.hit_tokens} tokens from the store")
                     if keep:
                         loads[mode].append(a.load_s)
@@ -507,9 +507,9 @@ class _Bench:
         out = run_figures(run.gaps, run.decode_gaps, run.steps, ttfts, run.window_s,
                           sum(a.load_s for a in run.arrivals))
         out["arrivals"] = len(run.arrivals)
-        out["store_hits"] = sum(a.store_hit == a.prompt.hit_tokens and a.device_hit == 0
+        out["store_hits"] = sum(a.store_hit_tokens == a.prompt.hit_tokens and a.device_hit_tokens == 0
                                 for a in run.arrivals)
-        out["device_hits"] = sum(a.device_hit == a.prompt.hit_tokens and a.store_hit == 0
+        out["device_hits"] = sum(a.device_hit_tokens == a.prompt.hit_tokens and a.store_hit_tokens == 0
                                  for a in run.arrivals)
         if mode != "baseline":
             out["load_ms"] = rounded(statistics.fmean(a.load_s for a in run.arrivals) * 1e3)

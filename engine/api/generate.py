@@ -6,7 +6,8 @@ The wire format is JSON; streams are NDJSON (one object a line). Every type has
 offending field. Block keys travel as 32-character hex strings and are :class:`BlockKey` here.
 
 - ``POST /generate``: body :class:`GenerateRequest`; answer: NDJSON :class:`GenerateChunk`
-  lines, then one :class:`GenerateFinal` (``{"finished": true, ...}``). Use
+  lines, then one :class:`GenerateFinal` (``{"finished": true, ...}``), whose ``stats`` is a
+  :class:`RequestStats` (its docstring says what each figure is). Use
   :func:`parse_generate_line` to tell them apart.
 - ``GET /info``: :class:`WorkerInfo` (also the worker's etcd value, see docs/architecture.md).
 - ``GET /events`` and ``GET /snapshot``: their types are in ``engine.api.events``.
@@ -20,8 +21,8 @@ A token's logprob on the wire is ``{"logprob": float, "top": [[token_id, logprob
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from engine.api.fields import (
@@ -316,7 +317,18 @@ class GenerateChunk:
 
 @dataclass(slots=True)
 class RequestStats:
-    """Per-request figures a worker reports in its final line (seconds and bytes)."""
+    """What one request did on one worker, in its final line's ``stats`` (tokens, bytes, seconds).
+
+    How its prompt was served (its initial tokens: the prompt, plus any output tokens it
+    arrived with): ``computed_prompt_tokens`` the worker computed, ``device_hit_tokens`` found
+    in its own prefix cache, ``store_hit_tokens`` loaded from the store. What moved:
+    ``kv_bytes_loaded`` from the store in ``store_load_s`` busy seconds, ``kv_bytes_saved`` to
+    it in ``store_save_s``. When: ``queue_s`` (arrival to first scheduled), ``prefill_s``
+    (first scheduled to first token, the store loads it waited on included), ``first_token_s``
+    (arrival to first token). Token counters sum over admissions (a preempted request is
+    admitted again). These names are the same everywhere the facts appear: the engine's
+    ``RequestProgress``, the router's request log (``prefill_stats``, ``decode_stats``, each
+    phase's ``stats``) and the benchmarks that read it."""
 
     computed_prompt_tokens: int = 0
     device_hit_tokens: int = 0
@@ -335,6 +347,15 @@ class RequestStats:
     @classmethod
     def from_json(cls, obj: Any) -> RequestStats:
         return cls(**read_figures(cls, json_object(obj, "stats"), "stats."))
+
+    @classmethod
+    def total(cls, stats: Iterable[RequestStats]) -> RequestStats:
+        """Every field summed over ``stats`` (zeros when there is none)."""
+        out = cls()
+        for s in stats:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(s, f.name))
+        return out
 
 
 @dataclass(slots=True)

@@ -78,7 +78,9 @@ class RequestProgress:
 
     Token counters sum over admissions (a preempted request is admitted again):
     ``computed_prompt_tokens`` are initial tokens this engine computed, ``device_hit_tokens``
-    came from its own prefix cache, ``store_hit_tokens`` were loaded from the store.
+    came from its own prefix cache, ``store_hit_tokens`` were loaded from the store. These and
+    the spans (``queue_s``, ``prefill_s``, ``first_token_s``) have the names of the worker's
+    report, ``engine.api.generate.RequestStats``, which the worker builds from them.
     """
 
     arrival_time: float = field(default_factory=time.perf_counter)

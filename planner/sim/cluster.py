@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.blocks import blocks_needed
+from engine.api.generate import RequestStats
 from kvstore.keys import BlockKey, block_keys, salted
 from planner.metrics import RequestResult
 from planner.sim.autoscale import SimAutoscaler
@@ -70,7 +71,7 @@ class Choice:
     delivered: int = 0
     last_token_at: float | None = None
     done: bool = False
-    first_phase_stats: dict[str, int] = field(default_factory=dict)
+    first_phase_stats: RequestStats | None = None   # how its prompt was served: its first finished phase's
 
     @property
     def request_id(self) -> str:
@@ -117,7 +118,7 @@ class SimCluster:
             self.add_worker(spec)
         self.block_size = specs[0].block_size
         self.routes: dict[str, int] = defaultdict(int)
-        self.stats = {"device": 0, "store": 0, "computed": 0}
+        self.prompt_stats = RequestStats()   # every choice's first_phase_stats, summed
         self._on_complete: Callable[[Choice, float], None] = lambda c, t: None
         self.closed = False
         self.autoscaler = (None if config.autoscale is None else
@@ -246,11 +247,11 @@ class SimCluster:
         c: Choice = st.choice
         st.books.release()
         p = st.request.stats
-        if not c.first_phase_stats:
-            c.first_phase_stats = {"device": p.device_hit_tokens, "store": p.store_hit_tokens,
-                                   "computed": p.computed_prompt_tokens}
-            for k, v in c.first_phase_stats.items():
-                self.stats[k] += v
+        if c.first_phase_stats is None:
+            c.first_phase_stats = RequestStats(computed_prompt_tokens=p.computed_prompt_tokens,
+                                               device_hit_tokens=p.device_hit_tokens,
+                                               store_hit_tokens=p.store_hit_tokens)
+            self.prompt_stats = RequestStats.total((self.prompt_stats, c.first_phase_stats))
         if c.done:
             return
         hop = self.hop_s
@@ -265,7 +266,8 @@ class SimCluster:
         c.done = True
         c.result.e2e_s = t - c.sent_at
         c.result.output_tokens = c.delivered
-        c.result.cached_tokens = c.first_phase_stats.get("device", 0) + c.first_phase_stats.get("store", 0)
+        first = c.first_phase_stats or RequestStats()
+        c.result.cached_tokens = first.device_hit_tokens + first.store_hit_tokens
         self._on_complete(c, t)
 
     def _fail(self, c: Choice, why: str) -> None:
@@ -349,7 +351,8 @@ class SimCluster:
             results, state["last"] - t0, len(requests) - len(results), dict(self.routes),
             {w: s.busy_s for w, s in self.workers.items()},
             {w: s.steps for w, s in self.workers.items()},
-            self.stats["device"], self.stats["store"], self.stats["computed"], self.events, acted)
+            self.prompt_stats.device_hit_tokens, self.prompt_stats.store_hit_tokens,
+            self.prompt_stats.computed_prompt_tokens, self.events, acted)
 
 
 def _followers_of(request_id: str, followers: dict[str, list[BenchRequest]]) -> int:

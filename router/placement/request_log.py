@@ -18,12 +18,15 @@ token from the decode worker), ``first_token`` (first token handed on to the cli
 ``prompt_tokens``, ``output_tokens``, ``finish_reason``, ``status`` (``ok``; ``closed``: the
 caller stopped reading, at a stop string or a client disconnect; ``error``), ``error``,
 ``prefill_worker``, ``decode_workers`` (in order: more than one after a resume),
-``prefill_retries``, ``decode_resumes``, ``tokens``: ``computed`` / ``store_hit`` prompt
-tokens of the prefill (or full) phase, ``device_hit`` of every phase, ``decode_computed`` /
-``decode_store_hit`` of the decode phase(s), ``kv_bytes``: ``saved`` (prefill to store) and ``loaded`` (store to
-decode), ``phases`` (each worker phase in order: ``worker_id``, ``phase``, ``ok``, ``error``,
-``output_tokens`` it produced, and the worker's final ``stats``; a failed phase has
-``ok: false`` and no stats).
+``prefill_retries``, ``decode_resumes``, ``prefill_stats`` (the stats of the prefill, or full,
+phase that finished) and ``decode_stats`` (those of the decode phases that finished, summed:
+more than one after a resume), each an ``engine.api.generate.RequestStats`` with its names
+(``computed_prompt_tokens``, ``device_hit_tokens``, ``store_hit_tokens``, ``kv_bytes_loaded``,
+``kv_bytes_saved``, ``store_load_s``, ``store_save_s``, ``queue_s``, ``prefill_s``,
+``first_token_s``; zeros where no such phase finished: a request's KV bytes or device hits
+over all its phases are the two sides' sum), ``phases`` (each worker phase in order:
+``worker_id``, ``phase``, ``ok``, ``error``, ``output_tokens`` it produced, and the worker's
+final ``stats``; a failed phase has ``ok: false`` and no stats).
 
 Records go to the ``kvrouter.requests`` logger (the application decides its handlers) and,
 when a path is given, are appended to a JSONL file. The sink never raises into the serving
@@ -105,32 +108,23 @@ class RequestRecord:
             return
         self.timeline[event] = round(time.monotonic() - self._t0, 6)
 
-    def summary(self) -> dict[str, Any]:
-        """Token and byte totals over the phases, by where the prompt's KV came from."""
-        tokens = {"computed": 0, "device_hit": 0, "store_hit": 0,
-                  "decode_computed": 0, "decode_store_hit": 0}
-        kv_bytes = {"saved": 0, "loaded": 0}
-        for p in self.phases:
-            s = p.stats
-            if s is None:
-                continue
-            if p.phase in ("prefill", "full"):
-                tokens["computed"] += s.computed_prompt_tokens
-                tokens["store_hit"] += s.store_hit_tokens
-            else:
-                tokens["decode_computed"] += s.computed_prompt_tokens
-                tokens["decode_store_hit"] += s.store_hit_tokens
-            tokens["device_hit"] += s.device_hit_tokens
-            kv_bytes["saved"] += s.kv_bytes_saved
-            kv_bytes["loaded"] += s.kv_bytes_loaded
-        return {"tokens": tokens, "kv_bytes": kv_bytes}
+    @property
+    def prefill_stats(self) -> RequestStats:
+        """The finished prefill (or full) phase's stats (at most one finishes)."""
+        return RequestStats.total(p.stats for p in self.phases if p.stats is not None and p.phase != "decode")
+
+    @property
+    def decode_stats(self) -> RequestStats:
+        """The finished decode phases' stats, summed."""
+        return RequestStats.total(p.stats for p in self.phases if p.stats is not None and p.phase == "decode")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         out["timeline"] = dict(self.timeline)
         out["decode_workers"] = list(self.decode_workers)
         out["phases"] = [p.to_dict() for p in self.phases]
-        out.update(self.summary())
+        out["prefill_stats"] = self.prefill_stats.to_json()
+        out["decode_stats"] = self.decode_stats.to_json()
         return out
 
     def to_json(self) -> str:

@@ -8,7 +8,7 @@ from benchmarks.serving.compare import CONFIGS, build_parser, build_plan, log_st
 def _record(prompt, out, phases, kv=(0, 0), first=1.0):
     return {"status": "ok", "prompt_tokens": prompt, "output_tokens": out,
             "timeline": {"first_token": first, "transfer_start": first, "decode_first": first + 0.1},
-            "tokens": {}, "kv_bytes": {"saved": kv[0], "loaded": kv[1]}, "phases": phases}
+            "prefill_stats": {"kv_bytes_saved": kv[0]}, "decode_stats": {"kv_bytes_loaded": kv[1]}, "phases": phases}
 
 
 def test_log_stats_skips_probes_and_one_token_requests_and_uses_the_first_phase():

@@ -130,8 +130,8 @@ def test_auto_mode_prefills_short_uncached_parts_locally(env: Env) -> None:
     # The metric's kinds are the log's modes (one Route vocabulary).
     assert _delta(before, after, "kvrouter_route_kind_total", kind="auto-local") == 2
     assert _delta(before, after, "kvrouter_route_kind_total", kind="auto-remote") == 1
-    cached = recs[2]["tokens"]
-    assert cached["device_hit"] + cached["store_hit"] == 80 and cached["computed"] == 4
+    cached = recs[2]["prefill_stats"]                   # its one phase, "full"
+    assert cached["device_hit_tokens"] + cached["store_hit_tokens"] == 80 and cached["computed_prompt_tokens"] == 4
 
 
 def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None:
@@ -155,7 +155,7 @@ def test_repeated_prefix_goes_to_the_prefill_worker_holding_it(env: Env) -> None
         rec = record(env.log, r.id)
         assert rec["prefill_worker"] == holder
         assert rec["phases"][0]["stats"]["device_hit_tokens"] == 160
-        assert rec["tokens"]["computed"] == 4             # only the new suffix is computed
+        assert rec["prefill_stats"]["computed_prompt_tokens"] == 4   # only the new suffix is computed
         assert r.usage.prompt_tokens_details.cached_tokens == 160
     after = scrape(url)
     decisions = "kvrouter_routing_decisions_total"
@@ -182,13 +182,14 @@ def test_metrics_move_by_the_right_amounts(env: Env) -> None:
     assert d("kvrouter_time_to_first_token_seconds_count") == 1
     # The prompt is new: the prefill computes all of it and saves its 3 full blocks; the
     # decode worker loads exactly those from the store.
-    tokens, moved = rec["tokens"], rec["kv_bytes"]
-    assert tokens["computed"] == 50 and tokens["decode_store_hit"] == 48
+    pre, dec = rec["prefill_stats"], rec["decode_stats"]
+    both = lambda name: pre[name] + dec[name]  # noqa: E731
+    assert pre["computed_prompt_tokens"] == 50 and dec["store_hit_tokens"] == 48
     assert d("kvrouter_prefix_hit_tokens_total", tier="store") == 48
-    assert d("kvrouter_computed_prompt_tokens_total") == tokens["computed"] + tokens["decode_computed"]
-    assert moved["saved"] > 0 and moved["loaded"] == moved["saved"]
-    assert d("kvrouter_kv_transfer_bytes_total", direction="save") == moved["saved"]
-    assert d("kvrouter_kv_transfer_bytes_total", direction="load") == moved["loaded"]
+    assert d("kvrouter_computed_prompt_tokens_total") == both("computed_prompt_tokens")
+    assert both("kv_bytes_saved") > 0 and both("kv_bytes_loaded") == both("kv_bytes_saved")
+    assert d("kvrouter_kv_transfer_bytes_total", direction="save") == both("kv_bytes_saved")
+    assert d("kvrouter_kv_transfer_bytes_total", direction="load") == both("kv_bytes_loaded")
     timeline = rec["timeline"]
     assert (timeline["prefill_start"] <= timeline["prefill_end"] <= timeline["first_token"]
             <= timeline["transfer_start"] <= timeline["decode_end"] <= timeline["end"])
@@ -226,13 +227,13 @@ def test_cache_salt_separates_tenants(env: Env) -> None:
         r = client.completions.create(model=env.model, prompt=prompt, max_tokens=2,
                                       extra_body={**NO_EOS, "cache_salt": salt})
         recs.append(record(env.log, r.id))
-    first, same, other = (r["tokens"] for r in recs)
-    assert first["computed"] == 64
+    first, same, other = (r["prefill_stats"] for r in recs)
+    assert first["computed_prompt_tokens"] == 64
     # Same salt: the router's salted keys find the worker holding the blocks, which reuses them.
     assert recs[1]["prefill_worker"] == recs[0]["prefill_worker"]
-    assert same["device_hit"] >= 48 and same["computed"] <= 16
+    assert same["device_hit_tokens"] >= 48 and same["computed_prompt_tokens"] <= 16
     # Another salt shares nothing, in the device cache or in the store.
-    assert other["computed"] == 64 and other["store_hit"] == 0
+    assert other["computed_prompt_tokens"] == 64 and other["store_hit_tokens"] == 0
     assert recs[2]["phases"][0]["stats"]["device_hit_tokens"] == 0
 
 

@@ -273,7 +273,7 @@ def test_final_stats_are_how_the_prompt_was_served_plus_every_phase_s_transfers(
                                prefill_s=0.2, first_token_s=0.25)
         d.stats = RequestStats(computed_prompt_tokens=5, store_hit_tokens=16, kv_bytes_loaded=100,
                                store_load_s=0.125, queue_s=0.02, prefill_s=0.1, first_token_s=0.3)
-        orch, pool, _ = await _fake_router(tmp_path, p, d, mode="disaggregated")
+        orch, pool, log_path = await _fake_router(tmp_path, p, d, mode="disaggregated")
         try:
             items = [x async for x in orch.serve(ServeRequest("r6", "tiny", list(range(1, 21)),
                                                               SamplingParams(max_tokens=3)))]
@@ -283,6 +283,9 @@ def test_final_stats_are_how_the_prompt_was_served_plus_every_phase_s_transfers(
                 computed_prompt_tokens=4, device_hit_tokens=16, store_hit_tokens=0,
                 kv_bytes_saved=100, kv_bytes_loaded=100, store_save_s=0.5, store_load_s=0.125,
                 queue_s=0.01, prefill_s=0.2, first_token_s=0.25)
+            # The request log keeps each side's own figures, in the same names.
+            rec = records(log_path)[0]
+            assert rec["prefill_stats"] == p.stats.to_json() and rec["decode_stats"] == d.stats.to_json()
         finally:
             await pool.close()
             await p.stop()
@@ -338,6 +341,9 @@ def test_a_prefill_broken_after_its_token_resumes_as_a_decode(tmp_path: Path) ->
             assert [(x["phase"], x["output_tokens"], x["ok"]) for x in rec["phases"]] == [
                 ("prefill", 1, False), ("decode", 3, True)]
             assert rec["output_tokens"] == 4 and rec["status"] == "ok"
+            # No prefill finished: its side is zeros; the decode side is the decode's stats.
+            assert rec["prefill_stats"] == RequestStats().to_json()
+            assert rec["decode_stats"] == rec["phases"][1]["stats"]
         finally:
             await pool.close()
             for w in (p1, p2, d):

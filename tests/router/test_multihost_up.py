@@ -105,7 +105,7 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
         oracle_thread.join(60)
         assert r.json()["choices"][0]["text"] == expected[0]
         rec = record(request_log, r.json()["id"])
-        assert rec["mode"] == "disaggregated" and rec["kv_bytes"]["loaded"] > 0, rec
+        assert rec["mode"] == "disaggregated" and rec["decode_stats"]["kv_bytes_loaded"] > 0, rec
 
         # The handoff crossed hosts: the decode worker (host 1 or 2) read what it loaded from
         # the stores, some of it from other hosts' over TCP; the prefill (host 0) wrote to its
@@ -120,11 +120,11 @@ def test_kvrouter_up_hosts_3_serves_across_hosts_and_leaves_nothing(
         assert decode_host != 0
         assert sum(moved(i, "out", "tcp") for i in others) > 0
         assert sum(moved(i, "out", "tcp") + moved(i, "out", "shm") for i in range(3)) \
-            >= rec["kv_bytes"]["loaded"]
+            >= rec["decode_stats"]["kv_bytes_loaded"]
         assert moved(0, "in", "shm") > 0
         # One hop: host 0's store sent the decode worker every byte it loaded (the handoff's
         # source), over TCP; the placer's copies to the owners leave it over shared memory.
-        assert moved(0, "out", "tcp") >= rec["kv_bytes"]["loaded"]
+        assert moved(0, "out", "tcp") >= rec["decode_stats"]["kv_bytes_loaded"]
         for name, c in children.items():                      # TLS between every part
             if c["kind"] in ("prefill", "decode"):
                 assert c["address"].startswith("https://"), (name, c["address"])
@@ -174,9 +174,9 @@ def test_kvrouter_up_hosts_2_ucx_hands_the_kv_over_ucx(hosts, tiny_model_dir: Pa
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
         rec = record(request_log, r.json()["id"])
-        assert rec["mode"] == "disaggregated" and rec["kv_bytes"]["loaded"] > 0, rec
+        assert rec["mode"] == "disaggregated" and rec["decode_stats"]["kv_bytes_loaded"] > 0, rec
         store0 = Metrics(httpx.get(state["store_metrics"]["store-0"], timeout=5, trust_env=False).text)
-        assert store0.get("kvstore_bytes_total", direction="out", path="ucx") >= rec["kv_bytes"]["loaded"]
+        assert store0.get("kvstore_bytes_total", direction="out", path="ucx") >= rec["decode_stats"]["kv_bytes_loaded"]
         assert store0.get("kvstore_bytes_total", direction="in", path="shm") > 0
     finally:
         if proc.poll() is None:
