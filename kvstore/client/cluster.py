@@ -290,6 +290,30 @@ class ClusterClient:
         futures = {node: pool.submit(one, node) for node in groups}
         return {node: f.result() for node, f in futures.items()}
 
+    def _ask(
+        self, groups: dict[str, list[int]], call: Callable[[Client, list[int]], T], skip: set[str]
+    ) -> tuple[dict[str, T], list[int]]:
+        """One round of a read or a write: ``call`` on every node's group (``_fan_out``). A
+        node that fails is added to ``skip`` and marked down, one that answers is marked up;
+        returns the answers by node, and the key indices of the failed nodes (to ask others)."""
+        answers: dict[str, T] = {}
+        failed: list[int] = []
+        for node, result in self._fan_out(groups, call).items():
+            if isinstance(result, BaseException):
+                skip.add(node)
+                self._mark_down(node)
+                failed += groups[node]
+            else:
+                self._mark_up(node)
+                answers[node] = result
+        return answers, failed
+
+    def _none_answered(self, tried: set[str]) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"no store node of cluster {self.cluster!r} answered "
+            f"(tried {sorted(tried)}); check that the daemons are running"
+        )
+
     # -- reads ----------------------------------------------------------------------------
 
     def _read(
@@ -316,17 +340,10 @@ class ClusterClient:
                     groups[node].append(i)
             if not groups:
                 break
-            pending = []
-            for node, result in self._fan_out(groups, call).items():
-                idxs = groups[node]
-                if isinstance(result, BaseException):
-                    skip.add(node)
-                    self._mark_down(node)
-                    pending += idxs
-                    continue
-                answered = True
-                self._mark_up(node)
-                for i, value in zip(idxs, result):
+            answers, pending = self._ask(groups, call, skip)
+            answered = answered or bool(answers)
+            for node, result in answers.items():
+                for i, value in zip(groups[node], result):
                     if hit(value):
                         out[i] = value
                         if repair is not None and asked[i]:
@@ -337,10 +354,7 @@ class ClusterClient:
                         if sum(n not in view.draining for n in asked[i]) < view.replicas:
                             pending.append(i)
         if not answered:
-            raise StoreUnavailable(
-                f"no store node of cluster {self.cluster!r} answered "
-                f"(tried {sorted(skip)}); check that the daemons are running"
-            )
+            raise self._none_answered(skip)
         if repairs and self._repair is not None:
             self._repair.offer(repairs)
         return out
@@ -406,24 +420,14 @@ class ClusterClient:
                         groups[node].append(i)
             if not groups:
                 break
-            pending = []
-            for node, result in self._fan_out(groups, call).items():
-                idxs = groups[node]
-                if isinstance(result, BaseException):
-                    skip.add(node)
-                    self._mark_down(node)
-                    pending += idxs
-                else:
-                    self._mark_up(node)
-                    results.append((idxs, result))
-                    for i in idxs:
-                        written[i].add(node)
+            answers, pending = self._ask(groups, call, skip)
+            for node, result in answers.items():
+                results.append((groups[node], result))
+                for i in groups[node]:
+                    written[i].add(node)
             pending = sorted(set(pending))
         if not results:
-            raise StoreUnavailable(
-                f"no store node of cluster {self.cluster!r} answered "
-                f"(tried {sorted(skip)}); check that the daemons are running"
-            )
+            raise self._none_answered(skip)
         return results
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[bool]:
