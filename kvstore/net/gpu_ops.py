@@ -18,16 +18,19 @@ buffer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol, TypeVar
 
 import numpy as np
 
 from kvstore.errors import ProtocolError, Unsupported
+from kvstore.keys import BlockKey
 from kvstore.net import protocol as P
 from kvstore.node.gpu_share import GpuPinError, GpuShare
 from kvstore.node.store import BlockStore
 
 __all__ = ["HANDLERS", "hello_fields", "Session"]
+
+T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -76,12 +79,18 @@ def _pin(s: Session, h: P.Header, meta: memoryview) -> None:
     s.reply(h, out.tobytes())
 
 
-def _unpin(s: Session, h: P.Header, meta: memoryview) -> None:
+def _held(s: Session, meta: memoryview, op: Callable[[GpuShare, list[BlockKey], Session], T]) -> T:
+    """``op`` (UNPIN, COMMIT or ABORT) on the keys in ``meta``, which the session must hold:
+    keys it does not hold are bad input, a PROTOCOL error (module docstring)."""
     keys = P.unpack_keys(meta)
     try:
-        _share(s).unpin(keys, s)
+        return op(_share(s), keys, s)
     except GpuPinError as e:
         raise ProtocolError(str(e)) from None
+
+
+def _unpin(s: Session, h: P.Header, meta: memoryview) -> None:
+    _held(s, meta, GpuShare.unpin)
     s.reply(h)
 
 
@@ -93,21 +102,12 @@ def _reserve(s: Session, h: P.Header, meta: memoryview) -> None:
 
 
 def _commit(s: Session, h: P.Header, meta: memoryview) -> None:
-    keys = P.unpack_keys(meta)
-    try:
-        nbytes = _share(s).commit(keys, s)
-    except GpuPinError as e:
-        raise ProtocolError(str(e)) from None
-    s.count_bytes("in", "cuda_ipc", nbytes)
+    s.count_bytes("in", "cuda_ipc", _held(s, meta, GpuShare.commit))
     s.reply(h)
 
 
 def _abort(s: Session, h: P.Header, meta: memoryview) -> None:
-    keys = P.unpack_keys(meta)
-    try:
-        _share(s).abort(keys, s)
-    except GpuPinError as e:
-        raise ProtocolError(str(e)) from None
+    _held(s, meta, GpuShare.abort)
     s.reply(h)
 
 
