@@ -216,10 +216,14 @@ def test_autoscaler_acts_within_its_budget(cluster: LocalCluster) -> None:
     results: list[dict] = []
     try:
         load.start()
-        # The scaler reads the router only once every client has had a request served: before
-        # that (seconds on a slow machine) the decode pool shows no ITL, both pools idle, and
-        # the idle prefill worker is stopped instead of changing role (then a start follows).
-        wait_until(lambda: len(load.results) >= load.clients, 60, "the load's first requests")
+        # The scaler reads the router only once the router's decode pool asks for more workers
+        # (its ITL over the objective for --scale-up-for). The idle prefill pool asks for none
+        # on a timer of its own (--scale-down-for once it is seen idle); read before the decode
+        # pool asks for more, the budget's layout is colocated x1: the prefill worker is stopped
+        # instead of changing role (then a start follows, and no role change ever comes).
+        # Served requests are no sign of it: three of them take less than that sustain.
+        wait_until(lambda: _scaling(cluster)["pools"]["decode"]["desired"] > 1, 60,
+                   "the router's decode pool to ask for more workers")
         role = run_until("role", 40)
         assert (role["from"], role["to"]) == ("prefill", "decode")
         results += load.stop()
