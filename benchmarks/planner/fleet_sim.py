@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
            "seconds": time.perf_counter() - t0, "machine": machine_info(), "sizes": results}
     write_json(out / "fleet_sim.json", rec)
     (out / "table.md").write_text(table(results))
-    plot(results, out / "fleet_capacity.png",
-         f"SIMULATED: Mooncake trace ({ns.trace_count} requests, native scale) on {results[0]['profiles'][0][:70]}")
+    plot(results, out / "fleet_capacity.png", f"SIMULATED: Mooncake trace ({ns.trace_count} requests, native scale)\n"
+         f"on {results[0]['profiles'][0].split(' (')[0]}")
     emit({"bench": "fleet_sim", "simulated": True, "seconds": rec["seconds"],
           "sizes": [{"gpus": r["devices"], "verdict": r["verdict"]} for r in results]})
 
