@@ -8,7 +8,11 @@ most of the prompt in its device cache wins, then the least loaded, and workers 
 take turns (the estimates rest on costs learned from noisy timings: a difference below their
 noise must neither move a prompt off the worker that holds it, duplicating its blocks in
 another cache, nor send every prompt to one of two idle workers, leaving the other unused and
-its costs unlearned, as a worker back from a restart was);
+its costs unlearned, as a worker back from a restart was). A worker's costs are learned only
+from the prompts it is sent, so one priced past the slack (a stalled sample: a restarted
+worker's cold first prompts) would never be sent another and never be measured again; so an
+idle candidate holding as much of the prompt as the choice, passed over ``PROBE_AFTER`` times
+running, is sent the prompt instead (a probe: its costs are measured again);
 ``least-loaded`` picks the fewest queued+running requests, ties broken on the estimate, then
 the worker id; ``round-robin`` rotates. A failed prefill's retry goes to the other
 prefill worker with the least queued prefill (:func:`choose_retry`). ``auto`` mode prefills
@@ -33,6 +37,7 @@ PREFILL_POLICIES: tuple[PrefillPolicyName, ...] = ("kv-aware", "least-loaded", "
 NEAR_S = 0.02     # kv-aware: estimates within 20 ms of the lowest ...
 NEAR_REL = 0.1    # ... or within 10% of it are equal; then the most device hits, the least
                   # load, and turns
+PROBE_AFTER = 16  # kv-aware: an idle worker passed over this many times running gets a prompt
 
 
 class PrefillPolicy:
@@ -71,9 +76,29 @@ class PrefillPolicy:
             tied = sorted((i for i, t in enumerate(ttfts)
                            if t <= near and (-depths[ids[i]], candidates[i].load) == best), key=lambda i: ids[i])
             i = tied[next(self._counter) % len(tied)] if len(tied) > 1 else tied[0]
+            i = self._probe(candidates, ids, depths, i)
         else:
             i = min(range(len(candidates)), key=lambda i: (candidates[i].load, ttfts[i], ids[i]))
         return candidates[i], ests[i]
+
+    @staticmethod
+    def _probe(candidates: Sequence[WorkerLoad], ids: Sequence[str], depths: dict[str, int], i: int) -> int:
+        """The kv-aware choice ``i``, or a probe instead: of the idle candidates (no load)
+        holding as much of the prompt in their device caches as ``i``, the one passed over most
+        often running (``WorkerLoad.passed_over``), once that is ``PROBE_AFTER`` times. The
+        count: one more each time a worker is such a candidate and not chosen; unchanged when
+        the choice holds more of the prompt; back to 0 when it is chosen or busy."""
+        due = max((j for j, w in enumerate(candidates) if j != i and w.load == 0
+                   and depths[ids[j]] >= depths[ids[i]]),
+                  key=lambda j: candidates[j].passed_over, default=None)
+        if due is not None and candidates[due].passed_over >= PROBE_AFTER:
+            i = due
+        for j, w in enumerate(candidates):
+            if j == i or w.load:
+                w.passed_over = 0
+            elif depths[ids[j]] >= depths[ids[i]]:
+                w.passed_over += 1
+        return i
 
 
 def choose_retry(candidates: Sequence[WorkerHandle], failed: Collection[str]) -> WorkerHandle | None:

@@ -20,12 +20,19 @@ samples far above it move the rate and keep the prior overhead, and samples that
 over sizes fit both. The fit is clamped to overhead >= 0 and a rate in [1, 1e9] tokens/s.
 
 Stalls: once a fit has ``TRUSTED_SAMPLES`` samples, a sample counts for at most
-``MAX_JUMP`` times what the fit predicts for its size. A worker's fit changes only when it
-finishes a request, and it is sent requests only while its estimate is competitive, so one
-stalled sample (a page-fault storm, a noisy neighbour: a 40-token prefill that took 0.6 s
-instead of 0.02 s in a chaos run) must not lift its line so far that it is never chosen again
-and never measured again; a worker that really slowed down still gets there, its fit rising by
-up to ``fit_alpha x (MAX_JUMP - 1)`` of itself per sample.
+``MAX_JUMP`` times what the fit predicts for its size; before that, when its prior is itself
+a measurement (``RateConfig.prefill_prior_measured`` / ``load_prior_measured``: a worker that
+joins a warm pool starts from its peers' fits, ``router.workers.load.peer_priors``), at most
+``MAX_JUMP`` times what the prior predicts (so that a few stalls in a row, each weighing much
+in a young fit, do not compound).
+A worker's fit changes only when it finishes a request, and it is sent requests only while its
+estimate is competitive, so one stalled sample (a page-fault storm, a noisy neighbour: a
+40-token prefill that took 0.6 s instead of 0.02 s in a chaos run; a restarted worker's first
+prompts, cold and on a machine busy starting it) must not lift its line so far that it is
+never chosen again and never measured again; a worker that really slowed down still gets
+there, its fit rising by up to ``fit_alpha x (MAX_JUMP - 1)`` of itself per sample. (The
+prefill choice also sends a passed-over idle worker a prompt now and then, whatever lifted
+its line: ``router.placement.prefill``.)
 The rates a worker reports in its load events are per-step figures that overhead can only
 make look slower: one above the configured prior raises the prior rate (a worker known to
 be fast before this router sent it anything), never lowers it.
@@ -47,6 +54,9 @@ class RateConfig:
     the time-vs-tokens fits forget (a sample's weight decays by ``1 - fit_alpha`` per newer
     sample); ``prior_weight`` how many samples the priors are worth; ``pivot_tokens`` the
     prompt size below which a sample mostly teaches the overhead, above it the rate.
+    ``prefill_prior_measured`` / ``load_prior_measured``: that cost's priors are a measurement
+    (its peers' fits), so a stall is capped from the first sample, at ``MAX_JUMP`` x what the
+    priors predict until the fit has ``TRUSTED_SAMPLES`` (the module docstring).
     """
 
     prefill_tokens_per_s: float = 2_000.0
@@ -57,6 +67,8 @@ class RateConfig:
     fit_alpha: float = 0.1
     prior_weight: float = 0.1
     pivot_tokens: float = 256.0
+    prefill_prior_measured: bool = False
+    load_prior_measured: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.load_tokens_per_s <= 0:
@@ -107,17 +119,20 @@ class LinearCost:
     ``1 - alpha`` per newer sample, ``k`` is ``prior_weight`` and ``N`` ``pivot_tokens``.
     The fit is refreshed on every sample (a 2x2 solve), so reading it costs two attribute
     loads. Clamped to ``overhead_s >= 0`` and ``per_token_s`` in [1e-9, 1] s; a sample past
-    ``MAX_JUMP`` x the prediction is capped there once ``TRUSTED_SAMPLES`` were seen.
+    ``MAX_JUMP`` x the prediction is capped there once ``TRUSTED_SAMPLES`` were seen; before
+    that, when ``trusted`` (the prior is a measurement: its peers' fit), at ``MAX_JUMP`` x the
+    prior's prediction.
     """
 
     __slots__ = ("overhead_s", "per_token_s", "samples", "prior_overhead_s", "prior_per_token_s",
-                 "_keep", "_k", "_kn2", "_s0", "_sn", "_st", "_snn", "_snt")
+                 "_trusted", "_keep", "_k", "_kn2", "_s0", "_sn", "_st", "_snn", "_snt")
 
     def __init__(self, overhead_s: float, tokens_per_s: float, *, alpha: float = 0.1,
-                 prior_weight: float = 0.1, pivot_tokens: float = 256.0) -> None:
+                 prior_weight: float = 0.1, pivot_tokens: float = 256.0, trusted: bool = False) -> None:
         if tokens_per_s <= 0 or overhead_s < 0 or not 0.0 < alpha <= 1.0:
             raise ValueError("LinearCost needs overhead_s >= 0, tokens_per_s > 0, alpha in (0, 1]")
         self.prior_overhead_s, self.prior_per_token_s = overhead_s, 1.0 / tokens_per_s
+        self._trusted = trusted
         self._keep, self._k, self._kn2 = 1.0 - alpha, prior_weight, prior_weight * pivot_tokens ** 2
         self._s0 = self._sn = self._st = self._snn = self._snt = 0.0
         self.samples = 0
@@ -148,6 +163,8 @@ class LinearCost:
             return
         if self.samples >= TRUSTED_SAMPLES:   # a stall teaches at most MAX_JUMP x the prediction
             seconds = min(seconds, MAX_JUMP * self.seconds(tokens))
+        elif self._trusted:                   # ... a young fit's, the prior's (a measurement)
+            seconds = min(seconds, MAX_JUMP * (self.prior_overhead_s + tokens * self.prior_per_token_s))
         keep = self._keep
         self._s0 = self._s0 * keep + 1.0
         self._sn = self._sn * keep + tokens

@@ -6,8 +6,10 @@ reported :class:`LoadFigures`, a learned cost model of its prefill and of its st
 finish (:class:`Assignment`: prefill tokens still queued there, KV blocks the request may
 fill, from ``engine.api.blocks.blocks_needed``). The pool keeps one per worker and feeds it
 the worker's load events; placement books requests on it and reads it (the TTFT estimate,
-``router.placement.cost``, reads its costs and its queue; ``load``, ``free_blocks``). Free
-blocks = total - max(reported used, blocks this router reserved there).
+``router.placement.cost``, reads its costs and its queue; ``load``, ``free_blocks``; the
+kv-aware choice counts in ``passed_over`` the times it passed the worker over while idle,
+``router.placement.prefill``). Free blocks = total - max(reported used, blocks this router
+reserved there).
 """
 
 from __future__ import annotations
@@ -65,14 +67,16 @@ class WorkerLoad:
     pending_prefills: int = 0
     inflight_requests: int = 0
     reserved_blocks: int = 0
+    passed_over: int = 0     # times running the kv-aware choice passed it over while idle
 
     def __post_init__(self) -> None:
         r = self.rates
         self.prefill_rate = Ewma(r.prefill_tokens_per_s, r.alpha)
         self.load_rate = Ewma(r.load_tokens_per_s, r.alpha)
         fit = {"alpha": r.fit_alpha, "prior_weight": r.prior_weight, "pivot_tokens": r.pivot_tokens}
-        self.prefill_cost = LinearCost(r.prefill_overhead_s, r.prefill_tokens_per_s, **fit)
-        self.load_cost = LinearCost(r.load_overhead_s, r.load_tokens_per_s, **fit)
+        self.prefill_cost = LinearCost(r.prefill_overhead_s, r.prefill_tokens_per_s,
+                                       trusted=r.prefill_prior_measured, **fit)
+        self.load_cost = LinearCost(r.load_overhead_s, r.load_tokens_per_s, trusted=r.load_prior_measured, **fit)
 
     @property
     def worker_id(self) -> str:
@@ -127,15 +131,20 @@ def peer_priors(rates: RateConfig, peers: Iterable[WorkerLoad]) -> RateConfig:
     scale-up) is priced at the generic priors while its peers are priced at what they
     measured; where the model is faster than the priors say, the kv-aware choice never picks
     it, so it never measures itself: it starves. It learns its own costs from its first
-    samples as any worker does."""
+    samples as any worker does, except that a priced-from-peers cost caps a stalled sample
+    from the first (``prefill_prior_measured`` / ``load_prior_measured``): the first prompts
+    of a restarted worker are the ones most likely to stall (cold, on a machine busy starting
+    it), and one uncapped 0.4 s sample priced it out for good."""
     peers = list(peers)
     pre = [p.prefill_cost for p in peers if p.prefill_cost.samples]
     lo = [p.load_cost for p in peers if p.load_cost.samples]
     out = rates
     if pre:
         out = replace(out, prefill_tokens_per_s=1.0 / statistics.median(c.per_token_s for c in pre),
-                      prefill_overhead_s=statistics.median(c.overhead_s for c in pre))
+                      prefill_overhead_s=statistics.median(c.overhead_s for c in pre),
+                      prefill_prior_measured=True)
     if lo:
         out = replace(out, load_tokens_per_s=1.0 / statistics.median(c.per_token_s for c in lo),
-                      load_overhead_s=statistics.median(c.overhead_s for c in lo))
+                      load_overhead_s=statistics.median(c.overhead_s for c in lo),
+                      load_prior_measured=True)
     return out

@@ -11,10 +11,10 @@ from engine.api.generate import RequestStats, WorkerInfo
 from kvstore.keys import block_keys
 from router.placement.cost import PrefillEstimate
 from router.placement.decode import Balance, choose_decode
-from router.placement.prefill import PrefillPolicy, prefer_local
-from router.workers.fit import LinearCost, RateConfig
+from router.placement.prefill import PROBE_AFTER, PrefillPolicy, prefer_local
+from router.workers.fit import MAX_JUMP, LinearCost, RateConfig
 from router.workers.kv_index import KvIndex
-from router.workers.load import WorkerLoad
+from router.workers.load import WorkerLoad, peer_priors
 from router.workers.pool import WorkerHandle
 
 NS = bytes(16)
@@ -231,6 +231,56 @@ def test_one_stalled_prefill_does_not_starve_a_worker() -> None:
     for _ in range(60):
         a.observe_stats(_prefill(40, 0.2))
     assert a.prefill_cost.seconds(40) == pytest.approx(0.2, rel=0.05)
+
+
+def test_a_worker_joining_from_its_peers_costs_caps_a_stall_from_its_first_sample() -> None:
+    # The chaos test's failure, reproduced by stalling the first model steps of prefill-0's
+    # replacement (priced from its twin, peer_priors) by 0.4 s, as a cold process on a machine
+    # busy starting it may be: uncapped (fewer than TRUSTED_SAMPLES samples), its one sample of
+    # 0.42 s priced it at 0.38 s against ~6 ms, and it got 1 of the 648 prompts that followed.
+    twin = _worker("twin")
+    for _ in range(50):
+        twin.observe_stats(_prefill(40, 0.005))
+    new = _worker("new", rates=peer_priors(RATES, [twin]))
+    for _ in range(3):   # stalls in a row do not compound in its young fit either
+        new.observe_stats(_prefill(40, 0.4))
+        assert new.prefill_cost.seconds(40) <= MAX_JUMP * twin.prefill_cost.seconds(40)
+    for _ in range(10):  # and its own samples take over
+        new.observe_stats(_prefill(40, 0.005))
+    assert new.prefill_cost.seconds(40) == pytest.approx(twin.prefill_cost.seconds(40), rel=0.5)
+    # Generic priors are no measurement: their first samples are not capped.
+    cold = _worker("cold")
+    cold.observe_stats(_prefill(40, 0.4))
+    assert cold.prefill_cost.seconds(40) > 0.3
+
+
+def test_an_idle_worker_priced_out_is_probed_and_comes_back() -> None:
+    # b's fit is stalled (3 uncapped samples of 0.5 s): its estimate is far past a's, every
+    # prompt went to a and b was never measured again. An idle worker holding as much of the
+    # prompt as the choice, passed over PROBE_AFTER times running, gets the next one.
+    a, b = _worker("a"), _worker("b")
+    for _ in range(50):
+        a.observe_stats(_prefill(40, 0.005))
+    for _ in range(3):
+        b.observe_stats(_prefill(40, 0.5))
+    policy = PrefillPolicy("kv-aware", _index_with({"a": 0, "b": 0}))
+    keys, n = block_keys(NS, PROMPT[:40], BS), 40
+    chosen = [policy.choose([a, b], keys, n)[0].worker_id for _ in range(3 * (PROBE_AFTER + 1))]  # type: ignore[index]
+    assert chosen == (["a"] * PROBE_AFTER + ["b"]) * 3
+    # Its probes measure it: back at its real cost, it takes turns with a.
+    for _ in range(20):
+        b.observe_stats(_prefill(40, 0.005))
+    assert [policy.choose([a, b], keys, n)[0].worker_id for _ in range(4)].count("b") == 2  # type: ignore[index]
+    # A busy worker is not probed (it is working), nor one holding less of the prompt than
+    # the choice (the prompt would move off the cache that holds it).
+    policy = PrefillPolicy("kv-aware", _index_with({"a": 2, "b": 0}))
+    keys = KEYS[:2]
+    assert {policy.choose([a, b], keys, 40)[0].worker_id for _ in range(2 * PROBE_AFTER)} == {"a"}  # type: ignore[index]
+    policy = PrefillPolicy("kv-aware", _index_with({"a": 0, "b": 0}))
+    held = b.assign(prefill_tokens=40)
+    keys = block_keys(NS, PROMPT[:40], BS)
+    assert {policy.choose([a, b], keys, 40)[0].worker_id for _ in range(2 * PROBE_AFTER)} == {"a"}  # type: ignore[index]
+    held.release()
 
 
 # --- (3) the trade-off between a cached prefix and a queue -----------------------------------
