@@ -33,10 +33,12 @@ count them, vLLM's count its own) and ``logprobs`` (with ``return_tokens_as_toke
 top alternatives come back as ``token_id:N``; each token's ``top`` is the ``logprobs`` best,
 best first). ``cache_salt`` is passed when set. What the translation has to refuse
 (:class:`WorkerRejected`, HTTP status 400, not sent; see :func:`completion_body`): nothing left
-to generate, and frequency or presence penalties over tokens produced elsewhere that vLLM
-cannot reproduce exactly (its penalties count only the outputs it generated itself: the
-client adds those tokens' share as ``logit_bias``, exact unless a ``repetition_penalty`` is on
-too, which vLLM applies after the bias, or a bias would pass vLLM's ±100 clamp).
+to generate, and penalties over tokens produced elsewhere that vLLM cannot reproduce exactly.
+Its penalties count only the outputs it generated itself, so the client adds a frequency
+penalty's share of those tokens as ``logit_bias``: exact unless a ``repetition_penalty`` is on
+too (vLLM applies it after the bias) or a bias would pass vLLM's ±100 clamp. A presence
+penalty cannot be carried that way: vLLM would charge it again once a token produced elsewhere
+recurs in its own output, so a presence penalty with tokens produced elsewhere is refused.
 
 Differences to know (not refused): vLLM's seeded sampling is a generator stream per request,
 so a request continued on another instance draws differently from an uninterrupted one (our
@@ -132,12 +134,13 @@ def completion_body(request: GenerateRequest, model: str) -> dict[str, Any]:
 
     - ``output_token_ids`` already as many as ``sampling.max_tokens``: nothing to generate
       (vLLM needs ``max_tokens >= 1``).
-    - ``frequency_penalty`` / ``presence_penalty`` with ``output_token_ids``: vLLM's penalties
-      count only the tokens it generated, so those tokens' share goes into ``logit_bias``
-      (``-(frequency_penalty * count + presence_penalty)`` per distinct token, added to the
-      request's own bias). That is exact unless ``repetition_penalty != 1`` (vLLM applies the
-      bias before the repetition penalty, ours after) or a resulting bias passes vLLM's
-      ±100 clamp: then it is refused.
+    - ``frequency_penalty`` with ``output_token_ids``: vLLM's penalties count only the tokens
+      it generated, so those tokens' share goes into ``logit_bias`` (``-frequency_penalty *
+      count`` per distinct token, added to the request's own bias). That is exact unless
+      ``repetition_penalty != 1`` (vLLM applies the bias before the repetition penalty, ours
+      after) or a resulting bias passes vLLM's ±100 clamp: then it is refused.
+    - ``presence_penalty`` with ``output_token_ids``: refused. A bias would charge a token
+      produced elsewhere once, and vLLM would charge it again when it recurs in vLLM's output.
     """
     s = request.sampling
     done = len(request.output_token_ids)
@@ -148,16 +151,20 @@ def completion_body(request: GenerateRequest, model: str) -> dict[str, Any]:
     prefill = request.phase == "prefill"
     max_tokens = 1 if prefill else left
     bias = dict(s.logit_bias or {})
-    if done and (s.frequency_penalty or s.presence_penalty):
+    if done and s.presence_penalty:
+        raise VllmUnsupported(
+            "vLLM cannot apply presence_penalty to output_token_ids (tokens produced elsewhere) exactly: "
+            "it would charge a token again when it recurs in vLLM's own output")
+    if done and s.frequency_penalty:
         if s.repetition_penalty != 1.0:
             raise VllmUnsupported(
-                "vLLM cannot apply frequency_penalty/presence_penalty to output_token_ids (tokens "
-                "produced elsewhere) together with repetition_penalty != 1")
+                "vLLM cannot apply frequency_penalty to output_token_ids (tokens produced elsewhere) "
+                "together with repetition_penalty != 1")
         for token, count in Counter(request.output_token_ids).items():
-            b = bias.get(token, 0.0) - (s.frequency_penalty * count + s.presence_penalty)
+            b = bias.get(token, 0.0) - s.frequency_penalty * count
             if abs(b) > MAX_LOGIT_BIAS:
                 raise VllmUnsupported(
-                    f"vLLM cannot apply frequency_penalty/presence_penalty to output_token_ids "
+                    f"vLLM cannot apply frequency_penalty to output_token_ids "
                     f"(tokens produced elsewhere) here: token {token}'s penalty as a logit bias "
                     f"({b:g}) passes vLLM's bound of ±{MAX_LOGIT_BIAS:g}")
             bias[token] = b

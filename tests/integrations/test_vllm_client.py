@@ -5,8 +5,8 @@ the connector, on the default model).
 Against vLLM: a streamed greedy request equals vLLM's own non-streamed answer (and its
 logprobs come back as ours); a prefill on one instance and its decode on the other, through
 the client's ``kv_transfer_params``, equal one greedy run while the decode computes less than
-a block of the prompt (vLLM's own counters); frequency and presence penalties continue exactly
-over tokens produced elsewhere; 4xx, a missing secret and a dead port are the right errors;
+a block of the prompt (vLLM's own counters); a frequency penalty continues exactly over tokens
+produced elsewhere (a presence penalty there is refused); 4xx, a missing secret and a dead port are the right errors;
 ``abort`` ends a long stream and frees it in vLLM; ``follow_events`` keys vLLM's KV events
 into the index. Without vLLM: the request body, what is refused, ``follow_events`` with no
 event source.
@@ -158,9 +158,9 @@ def test_prefill_then_decode_on_another_instance_equals_one_run(vllm_pd: VllmPD)
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_penalties_continue_exactly_over_tokens_produced_elsewhere(vllm_pd: VllmPD) -> None:
+def test_a_frequency_penalty_continues_exactly_over_tokens_produced_elsewhere(vllm_pd: VllmPD) -> None:
     pd, server = vllm_pd, vllm_pd.producer
-    penalized = _greedy(16, frequency_penalty=2.0, presence_penalty=2.0)
+    penalized = _greedy(16, frequency_penalty=2.0)
     k = 8
 
     async def go(n: int, prompt: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -325,14 +325,19 @@ def test_completion_body_maps_every_sampling_field() -> None:
 
 
 def test_penalties_over_tokens_produced_elsewhere_become_logit_bias() -> None:
-    sp = SamplingParams(max_tokens=10, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={7: 1.0})
+    sp = SamplingParams(max_tokens=10, frequency_penalty=0.5, logit_bias={7: 1.0})
     body = completion_body(GenerateRequest("r", [1], sp, output_token_ids=[7, 8, 7]), "m")
-    assert body["logit_bias"] == {"7": 1.0 - (0.5 * 2 + 0.25), "8": -(0.5 + 0.25)}
+    assert body["logit_bias"] == {"7": 1.0 - 0.5 * 2, "8": -0.5}
+    with pytest.raises(VllmUnsupported, match="presence_penalty"):   # vLLM would charge a recurrence twice
+        completion_body(GenerateRequest("r", [1], SamplingParams(
+            max_tokens=10, frequency_penalty=0.5, presence_penalty=0.25), output_token_ids=[7]), "m")
+    assert "logit_bias" not in completion_body(GenerateRequest("r", [1], SamplingParams(
+        max_tokens=10, presence_penalty=0.25)), "m")   # a presence penalty alone is vLLM's own
     assert "logit_bias" not in completion_body(GenerateRequest("r", [1], SamplingParams(
         max_tokens=10, frequency_penalty=0.5)), "m")   # nothing produced elsewhere
     with pytest.raises(VllmUnsupported, match="repetition_penalty"):
         completion_body(GenerateRequest("r", [1], SamplingParams(
-            max_tokens=10, presence_penalty=0.5, repetition_penalty=1.2), output_token_ids=[3]), "m")
+            max_tokens=10, frequency_penalty=0.5, repetition_penalty=1.2), output_token_ids=[3]), "m")
     with pytest.raises(VllmUnsupported, match="bound"):
         completion_body(GenerateRequest("r", [1], SamplingParams(
             max_tokens=200, frequency_penalty=2.0), output_token_ids=[3] * 60), "m")
