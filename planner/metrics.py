@@ -29,7 +29,7 @@ import numpy as np
 __all__ = [
     "RequestResult", "Slo", "Unloaded", "Distribution", "Summary",
     "percentile", "distribution", "summarize", "attainment_at_scales", "summarize_by_tag",
-    "max_rate_meeting", "summary_stat", "SLO_SCALES",
+    "max_rate_meeting", "misses", "summary_stat", "SLO_SCALES",
 ]
 
 # The scales of the SLO-scale curve, the measured sweep's (benchmarks.serving.sweep) and the simulated
@@ -224,6 +224,15 @@ def attainment_at_scales(results: Sequence[RequestResult], slo: Slo,
     if not results:
         return [0.0 for _ in scales]
     return [sum(slo.scaled(k).met(r) for r in results) / len(results) for k in scales]
+
+
+def misses(results: Sequence[RequestResult], slo: Slo) -> dict[str, int]:
+    """How many of ``results`` finished but missed the TTFT objective, the TPOT one, or failed,
+    out of those ``issued``: why a point's attainment fell short."""
+    return {"ttft": sum(1 for r in results if r.ok and r.ttft_s is not None
+                        and r.ttft_s > slo.ttft_objective(r.prompt_tokens)),
+            "tpot": sum(1 for r in results if r.ok and r.tpot_s is not None and r.tpot_s > slo.tpot_s),
+            "failed": sum(1 for r in results if not r.ok), "issued": len(results)}
 
 
 def summary_stat(summary: dict[str, Any] | None, metric: str, stat: str) -> float | None:

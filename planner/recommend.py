@@ -63,7 +63,7 @@ import numpy as np
 
 from engine.profile.format import Profile
 from planner.capacity import Capacity, SearchSettings, find_capacity
-from planner.metrics import Slo
+from planner.metrics import Slo, misses
 from planner.sim.config import ClusterConfig, parse_bytes
 from planner.sim.run import Profiles, simulate_point, unloaded
 from planner.sim.sweep import at_rate
@@ -163,8 +163,8 @@ def gpu_split(fleet: Fleet, prefill: int, chunk: int, policy: str = "kv-aware", 
 
 
 def split_starts(devices: int, centers: list[float]) -> list[int]:
-    """The prefill workers the split search starts from: each prefill share of ``centers``
-    (the GPU-seconds', without and with prefix reuse) of the budget, rounded."""
+    """The prefill workers the split search starts from (or, given ``--prefill-shares``, the
+    only splits tried): each prefill share of ``centers`` of the budget, rounded."""
     if devices < 2:
         return []
     return sorted({min(max(round(c * devices), 1), devices - 1) for c in centers})
@@ -255,12 +255,7 @@ class Search:
         last = max((r.arrival_s for r in wl.requests if r.after is None), default=0.0)
         pt = simulate_point(self.config, self.profiles, wl, self.slo, max_duration_s=last + 1e-9,
                             grace_s=_grace_s(wl, self.slo))
-        res, slo = pt.run.results, self.slo
-        self.misses[rate] = {
-            "ttft": sum(1 for r in res if r.ok and r.ttft_s is not None
-                        and r.ttft_s > slo.ttft_objective(r.prompt_tokens)),
-            "tpot": sum(1 for r in res if r.ok and r.tpot_s is not None and r.tpot_s > slo.tpot_s),
-            "failed": sum(1 for r in res if not r.ok), "issued": len(res)}
+        self.misses[rate] = misses(pt.run.results, self.slo)
         self.computed[rate] = (pt.run.computed_prompt_tokens, sum(len(r.prompt) for r in wl.requests))
         return pt.summary.attainment or 0.0
 
@@ -502,12 +497,9 @@ def run_recommend(args: argparse.Namespace) -> dict[str, Any]:
     more: Callable[[list[dict[str, Any]]], list[ClusterConfig]] | None = None
     if gpu:
         chunk = max(chunks)
-        starts = ([min(max(round(f * fleet.devices), 1), fleet.devices - 1) for f in shares] if shares
-                  else split_starts(fleet.devices, [gs.prefill_share, gs.prefill_share_reused]))
-        if fleet.devices < 2:
-            starts = []
+        starts = split_starts(fleet.devices, shares or [gs.prefill_share, gs.prefill_share_reused])
         cands = gpu_colocated(fleet, chunks, args.policy, args.salt_per_request) + [
-            gpu_split(fleet, p, chunk, args.policy, args.salt_per_request) for p in sorted(set(starts))]
+            gpu_split(fleet, p, chunk, args.policy, args.salt_per_request) for p in starts]
 
         def climb(rows: list[dict[str, Any]]) -> list[ClusterConfig]:
             return [gpu_split(fleet, p, chunk, args.policy, args.salt_per_request)

@@ -37,12 +37,14 @@ from typing import Any
 import numpy as np
 
 from engine.profile.format import ModelShape, Profile
+from kvstore.keys import BlockKey, block_keys
 from planner.sim.costs import StepCosts
 from planner.workloads import Workload
 
 __all__ = ["GpuSeconds", "KvBytes", "gpu_seconds", "kv_bytes", "gpu_blocks", "device_memory_gib",
            "weight_bytes", "reused_prefix_tokens"]
 
+_NAMESPACE = BlockKey(bytes(16))   # one namespace: every request may share with every other
 GPU_MEMORY_UTILIZATION = 0.9   # vLLM's default share of a GPU's memory for weights and KV
 
 
@@ -72,15 +74,11 @@ def gpu_blocks(p: Profile, block_size: int, memory_gib: float) -> int:
 def reused_prefix_tokens(workload: Workload, block_size: int) -> list[int]:
     """Per request, the tokens of its longest run of whole leading blocks that an earlier request
     of the workload (pre-warm first) also began with."""
-    seen: set[int] = set()
+    seen: set[BlockKey] = set()
     out = []
     for i, r in enumerate([*workload.prewarm, *workload.requests]):
-        key, hit, keys = 0, 0, []
-        for j in range(len(r.prompt) // block_size):
-            key = hash((key, r.prompt[j * block_size:(j + 1) * block_size]))
-            keys.append(key)
-            if hit == j and key in seen:
-                hit = j + 1
+        keys = block_keys(_NAMESPACE, r.prompt, block_size)   # each key names its whole prefix
+        hit = next((j for j, k in enumerate(keys) if k not in seen), len(keys))
         seen.update(keys)
         if i >= len(workload.prewarm):
             out.append(hit * block_size)

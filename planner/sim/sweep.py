@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from planner.metrics import SLO_SCALES, Slo, Unloaded, attainment_at_scales, max_rate_meeting
+from planner.metrics import SLO_SCALES, Slo, Unloaded, attainment_at_scales, max_rate_meeting, misses
 from planner.sim.config import ClusterConfig
 from planner.sim.run import Profiles, simulate_point, unloaded
 from planner.workload_args import build_workload, spec_from_args
@@ -97,12 +97,8 @@ def simulate_config(config: ClusterConfig, profiles: Profiles, args: argparse.Na
         pt = simulate_point(config, profiles, wl, slo, max_duration_s=sending,
                             grace_s=s.point_seconds - sending, prewarm_concurrency=s.prewarm_concurrency)
         res = pt.run.results
-        misses = {"ttft": sum(1 for r in res if r.ok and r.ttft_s is not None
-                              and r.ttft_s > slo.ttft_objective(r.prompt_tokens)),
-                  "tpot": sum(1 for r in res if r.ok and r.tpot_s is not None and r.tpot_s > slo.tpot_s),
-                  "failed": sum(1 for r in res if not r.ok), "issued": len(res)}
         rec = {"config": config.name, "rate": rate, "workload": wl.name, "requests": len(wl.requests),
-               "not_sent": pt.run.not_sent, "summary": pt.summary.to_json(), "misses": misses,
+               "not_sent": pt.run.not_sent, "summary": pt.summary.to_json(), "misses": misses(res, slo),
                "attainment_at_scale": attainment_at_scales(pt.run.results, slo, SLO_SCALES),
                "sim": {"routes": pt.run.routes, "worker_busy_s": pt.run.worker_busy_s,
                        "worker_steps": pt.run.worker_steps, "events": pt.run.events,
