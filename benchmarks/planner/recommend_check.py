@@ -9,7 +9,7 @@ run's recorded flags: workload, rates, point length, salts; objectives dropped, 
 derives them as compare does, from its first candidate's unloaded latency) and the budget of
 this machine's compare: 2 CPUs, at most one colocated worker (what ``kvrouter up`` starts),
 chunked prefill off or at 256 tokens, 512 device blocks in all, a 2 GB store. It searches that
-space (``planner.recommend.candidates``: a colocated 2-thread worker without and with chunking,
+space (``planner.candidates.candidates``: a colocated 2-thread worker without and with chunking,
 1 prefill + 1 decode worker of one thread each) and ranks by goodput per device.
 
 Every candidate is one of the configurations each compare run measured, one after another in

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from engine.profile import format as pf
+from planner.candidates import Fleet, gpu_colocated, gpu_split, next_splits, split_starts
 from planner.capacity import SearchSettings, find_capacity
 from planner.cli import build_parser
-from planner.recommend import Fleet, gpu_colocated, gpu_split, next_splits, rank, run_recommend, split_starts
+from planner.recommend import rank, run_recommend
 from planner.sim.costs import StepCosts
 from planner.sizing import gpu_seconds, kv_bytes, weight_bytes
 from planner.workloads import BenchRequest, Workload
